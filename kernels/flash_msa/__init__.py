@@ -1,0 +1,7 @@
+"""flash_msa: Triton kernels for Native Sparse Attention, with the Flash-MSA
+KV-block-centric selected attention, and a PyTorch reference beside every kernel."""
+from flash_msa.selection import selected_attention
+from flash_msa.utils.validation import trusted_inputs
+
+__version__ = "0.1.0"
+__all__ = ["selected_attention", "trusted_inputs"]

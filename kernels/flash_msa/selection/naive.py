@@ -1,0 +1,108 @@
+"""Reference selected attention: plain PyTorch, computed in fp32 (fp64 for fp64 inputs).
+
+Both forms take one packed stream ``[T, H, D]`` plus ``cu_seqlens``; the public
+``selected_attention(impl="reference")`` flattens a dense batch into that form.
+
+Semantics (DESIGN.md): query t of a sequence starting at ``s0`` attends, for its KV
+head, to the keys of the blocks named in ``block_indices[t]``: entry b >= 0 names keys
+``[s0 + b*block_size, s0 + (b+1)*block_size)``. Entries of -1, entries past the query's
+own block, and keys after the query are ignored. A query with no key left outputs 0.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flash_msa.utils.varlen import token_seq_bounds
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def masked_softmax_av(s: torch.Tensor, mask: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(s) @ v over the last dim of s, restricted to ``mask``; rows with no key give 0.
+
+    s, mask: [..., N]; v: [..., N, D] -> [..., D]. Written without -inf so that fully
+    masked rows have finite gradients.
+    """
+    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    m = s.amax(-1, keepdim=True).detach()
+    p = torch.exp(s - m) * mask
+    denom = p.sum(-1, keepdim=True)
+    return (p @ v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def _valid_entries(block_indices: torch.Tensor, t_rel: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[T, HK, S] bool: entry names a block at or before the query's own block."""
+    own_block = (t_rel // block_size)[:, None, None]
+    return (block_indices >= 0) & (block_indices.to(torch.int64) <= own_block)
+
+
+def selected_attention_naive(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+    block_size: int, cu_seqlens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Dense-mask form: builds a [T, HK, T] mask. For tiny tests only.
+
+    q [T, HQ, D], k/v [T, HK, D], block_indices int32 [T, HK, S] -> o [T, HQ, D] (dtype of q).
+    """
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    G = HQ // HK
+    acc = _acc_dtype(q)
+    start, _ = token_seq_bounds(cu_seqlens, T)
+    pos = torch.arange(T, device=q.device)
+    t_rel = pos - start
+    valid = _valid_entries(block_indices, t_rel, block_size)  # [T, HK, S]
+    key_block = (pos - start) // block_size  # [T] block of each key within its own sequence
+    # mask[t, h, s]: key s is in a valid selected block of query t, in its sequence, and not after it
+    picked = ((block_indices.to(torch.int64)[..., None] == key_block) & valid[..., None]).any(2)  # [T, HK, T]
+    same_seq = start[:, None] == start[None, :]
+    causal = pos[None, :] <= pos[:, None]
+    mask = picked & (same_seq & causal)[:, None, :]
+    qf = q.to(acc).view(T, HK, G, D).permute(1, 2, 0, 3)  # [HK, G, T, D]
+    kf = k.to(acc).permute(1, 0, 2)  # [HK, T, D]
+    vf = v.to(acc).permute(1, 0, 2)
+    s = scale * qf @ kf[:, None].transpose(-1, -2)  # [HK, G, T, T]
+    o = masked_softmax_av(s, mask.permute(1, 0, 2)[:, None], vf[:, None])  # [HK, G, T, D]
+    return o.permute(2, 0, 1, 3).reshape(T, HQ, D).to(q.dtype)
+
+
+def selected_attention_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+    block_size: int, cu_seqlens: torch.Tensor, scale: float, chunk: Optional[int] = None,
+) -> torch.Tensor:
+    """Gather form: each chunk of queries gathers the keys of its selected blocks.
+
+    Memory is O(chunk * HQ * S * block_size) at a time, O(T * HQ * S * block_size) saved for
+    backward: never O(T^2). Same arguments as :func:`selected_attention_naive`.
+    """
+    T, HQ, D = q.shape
+    HK, S = k.shape[1], block_indices.shape[-1]
+    G = HQ // HK
+    acc = _acc_dtype(q)
+    if chunk is None:  # about 16M gathered elements per chunk
+        chunk = max(1, min(T, (1 << 24) // max(1, HK * S * block_size * D)))
+    start_all, _ = token_seq_bounds(cu_seqlens, T)
+    offs = torch.arange(block_size, device=q.device)
+    outs = []
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        t = torch.arange(c0, c1, device=q.device)
+        start = start_all[c0:c1]
+        idx = block_indices[c0:c1].to(torch.int64)  # [C, HK, S]
+        valid = _valid_entries(block_indices[c0:c1], t - start, block_size)
+        # absolute key positions of every selected block: [C, HK, S, bs]
+        kpos = start[:, None, None, None] + idx[..., None] * block_size + offs
+        mask = valid[..., None] & (kpos <= t[:, None, None, None])
+        kpos = torch.where(mask, kpos, torch.zeros_like(kpos)).flatten(2)  # [C, HK, S*bs]
+        heads = torch.arange(HK, device=q.device)[None, :, None]
+        kg = k[kpos, heads].to(acc)  # [C, HK, S*bs, D]
+        vg = v[kpos, heads].to(acc)
+        qc = q[c0:c1].to(acc).view(c1 - c0, HK, G, D)
+        s = scale * qc @ kg.transpose(-1, -2)  # [C, HK, G, S*bs]
+        o = masked_softmax_av(s, mask.flatten(2)[:, :, None, :], vg)  # [C, HK, G, D]
+        outs.append(o.reshape(c1 - c0, HQ, D))
+    return torch.cat(outs).to(q.dtype)

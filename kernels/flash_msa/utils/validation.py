@@ -1,0 +1,130 @@
+"""Input validation shared by every public flash_msa function.
+
+Errors name the argument and say what was expected, so a wrong call fails at the
+boundary instead of deep inside a Triton kernel or with a silently wrong result.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_TRUST_VALUES = os.environ.get("FLASH_MSA_TRUST_INPUTS", "0") == "1"
+
+
+@contextmanager
+def trusted_inputs() -> Iterator[None]:
+    """Skip the value checks of ``cu_seqlens`` that need a device-to-host copy.
+
+    Shapes, dtypes and devices are always checked. The values of ``cu_seqlens``
+    (starts at 0, non-decreasing, ends at T) are checked on every call unless the
+    tensor lives on an accelerator and this context is active, or the environment
+    sets ``FLASH_MSA_TRUST_INPUTS=1``. The trainer validates ``cu_seqlens`` once per
+    batch on the CPU and then runs its layers inside this context, so the hot path
+    has no host sync.
+    """
+    global _TRUST_VALUES
+    previous, _TRUST_VALUES = _TRUST_VALUES, True
+    try:
+        yield
+    finally:
+        _TRUST_VALUES = previous
+
+
+def check_tensor(name: str, x, *, ndim: int, layout: str, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have shape {layout} ({ndim} dims), got {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(x.dtype).replace('torch.', '')}")
+
+
+def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
+    """Checks q [B, T, HQ, D], k and v [B, T, HK, D]; returns (B, T, HQ, HK, D)."""
+    check_tensor("q", q, ndim=4, layout="[B, T, HQ, D]")
+    check_tensor("k", k, ndim=4, layout="[B, T, HK, D]")
+    check_tensor("v", v, ndim=4, layout="[B, T, HK, D]")
+    B, T, HQ, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [B, T, HK, D], got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(
+            f"k must have shape [B={B}, T={T}, HK, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    HK = k.shape[2]
+    if HK == 0 or HQ % HK != 0:
+        raise ValueError(f"the number of query heads HQ={HQ} must be a multiple of the KV heads HK={HK}")
+    if HQ // HK > 16:
+        raise ValueError(f"GQA group HQ/HK must be between 1 and 16, got {HQ}/{HK} = {HQ // HK}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if T == 0:
+        raise ValueError("q, k and v must hold at least one token (T >= 1)")
+    return B, T, HQ, HK, D
+
+
+def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device: torch.device) -> None:
+    """Checks the FlashAttention varlen convention: B == 1 and int32 offsets [0, ..., T]."""
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an int32 torch.Tensor [N+1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must have dtype int32, got {str(cu_seqlens.dtype).replace('torch.', '')}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 1 sequences, got {tuple(cu_seqlens.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B={B}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens must be on the device of q ({device}), got {cu_seqlens.device}")
+    if _TRUST_VALUES and cu_seqlens.device.type != "cpu":
+        return
+    values = cu_seqlens.tolist()
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {values if len(values) < 20 else str(values[:20]) + '...'}")
+    if values[-1] != T:
+        raise ValueError(f"cu_seqlens must end at the number of tokens T={T}, got {values[-1]}")
+
+
+def check_block_size(name: str, value, supported: Sequence[int]) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value not in supported:
+        raise ValueError(f"{name} must be one of {tuple(supported)}, got {value!r}")
+
+
+def check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_block_indices(block_indices, B: int, T: int, HK: int, device: torch.device) -> int:
+    """Checks block_indices int32 [B, T, HK, S]; returns S."""
+    if not isinstance(block_indices, torch.Tensor):
+        raise TypeError(f"block_indices must be an int32 torch.Tensor [B, T, HK, S], got {type(block_indices).__name__}")
+    if block_indices.dtype != torch.int32:
+        raise TypeError(f"block_indices must have dtype int32, got {str(block_indices.dtype).replace('torch.', '')}")
+    if block_indices.dim() != 4 or tuple(block_indices.shape[:3]) != (B, T, HK):
+        raise ValueError(
+            f"block_indices must have shape [B={B}, T={T}, HK={HK}, S], got {tuple(block_indices.shape)}")
+    S = block_indices.shape[3]
+    if S < 1:
+        raise ValueError(f"block_indices must hold at least one entry per query (S >= 1), got S={S}")
+    if block_indices.device != device:
+        raise ValueError(f"block_indices must be on the device of q ({device}), got {block_indices.device}")
+    return S
+
+
+def check_scale(scale, D: int) -> float:
+    if scale is None:
+        return D ** -0.5
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale must be a positive float or None (meaning 1/sqrt(D)), got {scale!r}")
+    return float(scale)

@@ -1,0 +1,45 @@
+"""Index preparation from ``cu_seqlens`` shared by the references and kernels.
+
+Everything here runs on the device of its input without a host sync.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def default_cu_seqlens(B: int, T: int, device: torch.device) -> torch.Tensor:
+    """The cu_seqlens of a dense batch [B, T] flattened to one packed stream of B*T tokens."""
+    return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+
+
+def flatten_batch(x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T, ...] -> ([B*T, ...], cu_seqlens). A dense batch becomes B packed sequences."""
+    B, T = x.shape[:2]
+    if cu_seqlens is None:
+        cu_seqlens = default_cu_seqlens(B, T, x.device)
+    return x.reshape(B * T, *x.shape[2:]), cu_seqlens
+
+
+def token_seq_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the T packed tokens, the start and end (exclusive) of its sequence. int64 [T] each."""
+    cu = cu_seqlens.to(torch.int64)
+    t = torch.arange(T, device=cu.device)
+    seq = torch.searchsorted(cu[1:], t, right=True)  # [T] sequence id of each token
+    return cu[seq], cu[seq + 1]
+
+
+def num_compressed(lengths: torch.Tensor, block: int, stride: int) -> torch.Tensor:
+    """Compressed tokens of a sequence of length L: those i with i*stride + block <= L."""
+    return torch.where(lengths >= block, (lengths - block) // stride + 1, torch.zeros_like(lengths))
+
+
+def compressed_cu_seqlens(cu_seqlens: torch.Tensor, block: int, stride: int) -> torch.Tensor:
+    """cu_seqlens of the packed compressed stream: sequence s owns rows [out[s], out[s+1]).
+
+    The total is at most T // stride, which sizes buffers without a host sync.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    counts = num_compressed(cu[1:] - cu[:-1], block, stride)
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)

@@ -1,0 +1,206 @@
+"""Native Sparse Attention: the three branches composed with per-head sigmoid gates.
+
+    o = g_cmp * CompressedAttn(q, phi(k), phi(v)) + g_slc * SelectedAttn(q, k, v, topn(...))
+        + g_swa * WindowAttn(q, k, v)
+
+``nsa_attention`` is the functional op; ``NativeSparseAttention`` owns NSA's own parameters
+(the compression maps and the gate projection) and is what msa_train puts in each layer.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flash_msa import reference
+from flash_msa.selection.interface import ALL_IMPLS, SELECTED_BLOCK_SIZES, selected_attention
+from flash_msa.utils.validation import (
+    check_block_size, check_cu_seqlens, check_positive_int, check_qkv, check_scale, check_tensor)
+from flash_msa.utils.varlen import flatten_batch
+
+CMP_BLOCK_SIZES = (8, 16, 32, 64)
+CMP_STRIDES = (4, 8, 16, 32, 64)
+MAX_TOPK = 32
+
+
+def check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window) -> None:
+    check_block_size("cmp_block", cmp_block, CMP_BLOCK_SIZES)
+    check_block_size("cmp_stride", cmp_stride, CMP_STRIDES)
+    if cmp_block % cmp_stride != 0:
+        raise ValueError(f"cmp_block ({cmp_block}) must be a multiple of cmp_stride ({cmp_stride})")
+    check_block_size("slc_block", slc_block, SELECTED_BLOCK_SIZES)
+    if slc_block % cmp_stride != 0:
+        raise ValueError(f"slc_block ({slc_block}) must be a multiple of cmp_stride ({cmp_stride})")
+    if not isinstance(slc_topk, int) or isinstance(slc_topk, bool) or not 1 <= slc_topk <= MAX_TOPK:
+        raise ValueError(f"slc_topk must be an int in [1, {MAX_TOPK}], got {slc_topk!r}")
+    check_positive_int("window", window)
+
+
+def _check_compression(name: str, weight, pos, HK: int, D: int, block: int, dtype, device) -> None:
+    check_tensor(f"{name}_weight", weight, ndim=3, layout="[HK, cmp_block*D, D]")
+    check_tensor(f"{name}_pos", pos, ndim=3, layout="[HK, cmp_block, D]")
+    if tuple(weight.shape) != (HK, block * D, D):
+        raise ValueError(f"{name}_weight must have shape [HK={HK}, cmp_block*D={block * D}, D={D}], got {tuple(weight.shape)}")
+    if tuple(pos.shape) != (HK, block, D):
+        raise ValueError(f"{name}_pos must have shape [HK={HK}, cmp_block={block}, D={D}], got {tuple(pos.shape)}")
+    for t, n in ((weight, f"{name}_weight"), (pos, f"{name}_pos")):
+        if t.device != device:
+            raise ValueError(f"{n} must be on the device of q ({device}), got {t.device}")
+
+
+# The branch implementations nsa_attention composes. "reference" is plain PyTorch; the
+# Triton kernels register a "triton" set (see compression/ and window/) when present.
+BRANCHES = {
+    "reference": SimpleNamespace(
+        compress=reference.compress_kv,
+        compressed_attention=reference.compressed_attention,
+        select_blocks=reference.select_blocks,
+        window_attention=reference.window_attention,
+    ),
+}
+
+
+def _compose(branches, q, k, v, gates, k_cmp_weight, k_cmp_pos, v_cmp_weight, v_cmp_pos, cu,
+             cmp_block, cmp_stride, slc_block, slc_topk, window, scale, selected_impl):
+    """The NSA data flow on one packed stream [T, H, D]."""
+    k_cmp, cu_cmp = branches.compress(k, k_cmp_weight, k_cmp_pos, cu, cmp_block, cmp_stride)
+    v_cmp, _ = branches.compress(v, v_cmp_weight, v_cmp_pos, cu, cmp_block, cmp_stride)
+    o_cmp, lse = branches.compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, cmp_block, cmp_stride, scale)
+    idx = branches.select_blocks(q.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp,
+                                 cmp_block, cmp_stride, slc_block, slc_topk, scale)  # [T, HK, n]
+    o_slc = selected_attention(q[None], k[None], v[None], idx[None], block_size=slc_block,
+                               cu_seqlens=cu, scale=scale, impl=selected_impl)[0]
+    o_swa = branches.window_attention(q, k, v, cu, window, scale)
+    g = gates.float()  # the combination runs in fp32
+    o = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_swa.float()
+    return o.to(q.dtype)
+
+
+def nsa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor,
+    k_cmp_weight: torch.Tensor, k_cmp_pos: torch.Tensor, v_cmp_weight: torch.Tensor, v_cmp_pos: torch.Tensor, *,
+    cmp_block: int = 32, cmp_stride: int = 16, slc_block: int = 64, slc_topk: int = 16, window: int = 512,
+    cu_seqlens: Optional[torch.Tensor] = None, scale: Optional[float] = None, impl: str = "auto",
+) -> torch.Tensor:
+    """Native Sparse Attention forward (differentiable in q, k, v, gates and the compression parameters).
+
+    Args:
+        q: [B, T, HQ, D] queries (after the model's q norm and RoPE).
+        k, v: [B, T, HK, D] keys and values, HQ a multiple of HK (group 1..16).
+        gates: [B, T, HQ, 3] branch gates in [0, 1] (sigmoid already applied): compressed, selected, window.
+        k_cmp_weight, v_cmp_weight: [HK, cmp_block*D, D] the compression maps phi.
+        k_cmp_pos, v_cmp_pos: [HK, cmp_block, D] intra-block position encodings.
+        cmp_block, cmp_stride: compression block l and stride d (defaults 32 and 16).
+        slc_block, slc_topk: selection block l' and number of selected blocks n (64 and 16,
+            including block 0 and the two local blocks, which are always selected).
+        window: sliding window w (512).
+        cu_seqlens: optional int32 [N+1] offsets of packed sequences (then B == 1).
+        scale: softmax scale, default 1/sqrt(D).
+        impl: "reference" runs every branch in plain PyTorch; "auto", "fmsa" or "nsa" run the
+            Triton kernels (when present) with that selected-attention loop order.
+
+    Returns:
+        o: [B, T, HQ, D] in the dtype of q.
+    """
+    B, T, HQ, HK, D = check_qkv(q, k, v)
+    check_cu_seqlens(cu_seqlens, B, T, q.device)
+    check_tensor("gates", gates, ndim=4, layout="[B, T, HQ, 3]")
+    if tuple(gates.shape) != (B, T, HQ, 3):
+        raise ValueError(f"gates must have shape [B={B}, T={T}, HQ={HQ}, 3], got {tuple(gates.shape)}")
+    check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window)
+    _check_compression("k_cmp", k_cmp_weight, k_cmp_pos, HK, D, cmp_block, q.dtype, q.device)
+    _check_compression("v_cmp", v_cmp_weight, v_cmp_pos, HK, D, cmp_block, q.dtype, q.device)
+    scale = check_scale(scale, D)
+    if impl not in ALL_IMPLS:
+        raise ValueError(f"impl must be one of {ALL_IMPLS}, got {impl!r}")
+    on_gpu = impl != "reference" and q.device.type == "cuda"
+    branches = BRANCHES["triton" if on_gpu and "triton" in BRANCHES else "reference"]
+    qf, cu = flatten_batch(q, cu_seqlens)
+    o = _compose(branches, qf, k.reshape(B * T, HK, D), v.reshape(B * T, HK, D), gates.reshape(B * T, HQ, 3),
+                 k_cmp_weight, k_cmp_pos, v_cmp_weight, v_cmp_pos, cu,
+                 cmp_block, cmp_stride, slc_block, slc_topk, window, scale, impl if on_gpu else "reference")
+    return o.view(B, T, HQ, D)
+
+
+class Compression(nn.Module):
+    """phi for one of k or v: per-KV-head linear map of a block's keys plus a position encoding."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block: int, device=None, dtype=None):
+        super().__init__()
+        self.block = block
+        self.weight = nn.Parameter(torch.empty(num_kv_heads, block * head_dim, head_dim, device=device, dtype=dtype))
+        self.pos = nn.Parameter(torch.empty(num_kv_heads, block, head_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Mean pooling of the block: a pretrained model's compressed keys start as the average of
+        # its real keys, so the compressed branch is meaningful from the first step.
+        HK, _, D = self.weight.shape
+        eye = torch.eye(D, device=self.weight.device, dtype=torch.float32) / self.block
+        with torch.no_grad():
+            self.weight.copy_(eye.repeat(self.block, 1).expand(HK, -1, -1))
+            self.pos.zero_()
+
+
+class NativeSparseAttention(nn.Module):
+    """NSA's own parameters and the call into :func:`nsa_attention`.
+
+    Parameters: ``compress_k.weight`` / ``compress_v.weight`` [HK, cmp_block*D, D],
+    ``compress_k.pos`` / ``compress_v.pos`` [HK, cmp_block, D], ``gate.weight`` [3*HQ, hidden]
+    and ``gate.bias`` [3*HQ] (rows ordered branch-major: compressed, selected, window).
+
+    Initialisation: phi starts as mean pooling and the position encodings as 0; the gate
+    weights start at 0 and the biases at -ln 2, so every gate starts at 1/3 and the output is
+    the mean of the three branches. For a sequence shorter than the window, the window and
+    selected branches both equal full causal attention, so a dense model keeps most of its
+    behaviour at step 0.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 cmp_block: int = 32, cmp_stride: int = 16, slc_block: int = 64, slc_topk: int = 16,
+                 window: int = 512, impl: str = "auto", device=None, dtype=None):
+        super().__init__()
+        check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window)
+        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            check_positive_int(name, value)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if impl not in ALL_IMPLS:
+            raise ValueError(f"impl must be one of {ALL_IMPLS}, got {impl!r}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sizes = dict(cmp_block=cmp_block, cmp_stride=cmp_stride, slc_block=slc_block,
+                          slc_topk=slc_topk, window=window)
+        self.impl = impl
+        self.compress_k = Compression(num_kv_heads, head_dim, cmp_block, device, dtype)
+        self.compress_v = Compression(num_kv_heads, head_dim, cmp_block, device, dtype)
+        self.gate = nn.Linear(hidden_size, 3 * num_heads, bias=True, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.compress_k.reset_parameters()
+        self.compress_v.reset_parameters()
+        with torch.no_grad():
+            self.gate.weight.zero_()
+            self.gate.bias.fill_(-math.log(2.0))
+
+    def forward(self, hidden_states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
+        """hidden_states [B, T, hidden], q [B, T, HQ, D], k/v [B, T, HK, D] -> [B, T, HQ, D]."""
+        check_tensor("hidden_states", hidden_states, ndim=3, layout="[B, T, hidden]")
+        if tuple(hidden_states.shape[:2]) != tuple(q.shape[:2]):
+            raise ValueError(f"hidden_states must have shape [B, T, hidden] with B, T of q {tuple(q.shape[:2])}, "
+                             f"got {tuple(hidden_states.shape)}")
+        B, T = q.shape[:2]
+        logits = F.linear(hidden_states, self.gate.weight, self.gate.bias)  # [B, T, 3*HQ]
+        gates = torch.sigmoid(logits.float()).view(B, T, 3, self.num_heads).transpose(-1, -2)  # [B, T, HQ, 3]
+        return nsa_attention(q, k, v, gates, self.compress_k.weight, self.compress_k.pos,
+                             self.compress_v.weight, self.compress_v.pos, cu_seqlens=cu_seqlens,
+                             scale=scale, impl=self.impl, **self.sizes)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.sizes.items()) + f", impl={self.impl}"

@@ -5,7 +5,9 @@ from typing import Optional
 
 import torch
 
+from flash_msa.selection.fmsa import fmsa_selected_attention
 from flash_msa.selection.naive import selected_attention_chunked
+from flash_msa.selection.nsa import nsa_selected_attention
 from flash_msa.utils.validation import (
     check_block_indices, check_block_size, check_cu_seqlens, check_qkv, check_scale)
 from flash_msa.utils.varlen import flatten_batch
@@ -26,6 +28,8 @@ def _reference(q, k, v, block_indices, block_size, cu_seqlens, scale):
 
 
 IMPLS["reference"] = _reference
+IMPLS["fmsa"] = fmsa_selected_attention
+IMPLS["nsa"] = nsa_selected_attention
 
 
 def choose_impl(q: torch.Tensor, k: torch.Tensor, S: int, block_size: int) -> str:

@@ -1,0 +1,330 @@
+"""Selected attention in the KV-block-centric (Flash-MSA) loop order.
+
+Index: :func:`flash_msa.utils.csr.build_selection_csr` groups the valid (query, KV head,
+slot) entries by key = (query chunk, KV head, global KV block), on the GPU without a host
+sync. The rows of a key are its (entry, head-in-group) pairs, row r -> entry r // G,
+head r % G, so tiles of BM rows are full for any group size G.
+
+Forward, per query chunk (docs/selected_attention.md says why chunks):
+  1. ``fmsa_fwd_kernel``: one program per row tile. It gathers the tile's query rows, loads
+     K/V of its block once, and writes the normalised partial output and its lse to a
+     compact buffer indexed by entry. Programs past the chunk's last tile exit at once.
+  2. ``fmsa_merge_kernel``: one program per (token, KV head) merges the partials of the
+     token's valid slots in slot order: no atomics, deterministic.
+Backward, per query chunk:
+  1. ``fmsa_bwd_dkdv_kernel``: one program per key. It loads K/V once, loops over the key's
+     row tiles accumulating dk/dv in registers (then adds them, in chunk order, to an fp32
+     accumulator only it owns), and writes the dq contribution of each row to a compact buffer.
+  2. ``fmsa_bwd_dq_kernel``: one program per (token, KV head) sums the dq contributions in
+     slot order.
+
+Scores are kept in log2 units (``scale * log2(e)`` folded into the scale).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from flash_msa.utils.csr import SelectionCSR, build_selection_csr, prepare_block_meta, tile_schedule
+from flash_msa.utils.varlen import flatten_batch
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (16, 32, 64, 128)
+MAX_S = 32
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Bytes of per-chunk partial buffers (forward partial o + lse, backward fp32 dq partials):
+# 640 MiB up to T = 64K, then 10 KiB per token, so extra memory stays linear in T.
+PARTIAL_BUDGET = 640 << 20
+PARTIAL_BUDGET_PER_TOKEN = 10 << 10
+
+
+@triton.jit
+def fmsa_fwd_kernel(
+    q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first, chunk_tiles,
+    block_start, block_end, i_c, c0_entry, NB, scale2,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr,
+):
+    i_tile = tl.load(chunk_tiles + i_c) + tl.program_id(0)
+    if i_tile >= tl.load(chunk_tiles + i_c + 1):
+        return
+    i_key = tl.load(tile_key + i_tile)
+    i_hk = (i_key // NB) % HK
+    i_b = i_key % NB
+    i_e0 = tl.load(key_offsets + i_key)
+    n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
+    o_r = (i_tile - tl.load(tile_first + i_key)) * BM + tl.arange(0, BM)  # [BM] rows of the key
+    m_r = o_r < n_rows
+    b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0).to(tl.int64)  # [BM] entry ids
+    b_t = b_e // (HK * S)  # [BM] query tokens
+    b_g = o_r % G
+    o_d = tl.arange(0, D)
+    b_q = tl.load(q + (b_t * HQ + i_hk * G + b_g)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
+    o_k = tl.load(block_start + i_b).to(tl.int64) + tl.arange(0, BS)  # [BS]
+    m_k = o_k < tl.load(block_end + i_b)
+    b_k = tl.load(k + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)  # [BS, D]
+    b_v = tl.load(v + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
+    b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
+    # keys after the query are masked; a valid entry always keeps the block's first key
+    m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
+    b_s = tl.where(m_s, b_s, float("-inf"))
+    b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
+    b_p = tl.exp2(b_s - b_m[:, None])
+    b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
+    b_o = tl.dot(b_p.to(b_v.dtype), b_v) / b_l[:, None]  # [BM, D] normalised partial output
+    o_p = (b_e - c0_entry) * G + b_g  # [BM] rows of the chunk's partial buffer
+    tl.store(po + o_p[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
+    tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
+
+
+@triton.jit
+def fmsa_merge_kernel(
+    po, plse, o, lse, block_indices, tok_start, c0, T,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr,
+):
+    i_t = c0 + tl.program_id(0).to(tl.int64)
+    i_hk = tl.program_id(1)
+    if i_t >= T:
+        return
+    own = (i_t - tl.load(tok_start + i_t)) // BS
+    o_g = tl.arange(0, BG)
+    m_g = o_g < G
+    o_d = tl.arange(0, D)
+    b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BG], dtype=tl.float32)
+    b_acc = tl.zeros([BG, D], dtype=tl.float32)
+    for i_s in range(S):
+        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s)
+        if (b_idx >= 0) & (b_idx <= own):
+            o_p = (((i_t - c0) * HK + i_hk) * S + i_s) * G + o_g  # [BG]
+            b_lse = tl.load(plse + o_p, mask=m_g, other=0.)
+            b_o = tl.load(po + o_p[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.).to(tl.float32)
+            b_mn = tl.maximum(b_m, b_lse)
+            b_a = tl.exp2(b_m - b_mn)
+            b_w = tl.exp2(b_lse - b_mn)
+            b_acc = b_acc * b_a[:, None] + b_o * b_w[:, None]
+            b_l = b_l * b_a + b_w
+            b_m = b_mn
+    b_ok = b_l > 0
+    b_l = tl.where(b_ok, b_l, 1.)
+    o_h = i_t * HQ + i_hk * G + o_g
+    tl.store(o + o_h[:, None] * D + o_d[None, :], (b_acc / b_l[:, None]).to(o.dtype.element_ty), mask=m_g[:, None])
+    tl.store(lse + o_h, tl.where(b_ok, b_m + tl.log2(b_l), 0.), mask=m_g)
+
+
+@triton.jit
+def fmsa_bwd_dkdv_kernel(
+    q, k, v, do, lse, delta, dk, dv, dqp, entry_ids, key_offsets, block_start, block_end,
+    i_c, c0_entry, NB, NBC, scale2, scale,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, WRITE_DQ: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    i_hk = i_p // NBC
+    i_b = i_p % NBC
+    i_key = (i_c * HK + i_hk) * NB + i_b
+    i_e0 = tl.load(key_offsets + i_key)
+    n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
+    if n_rows == 0:
+        return
+    o_d = tl.arange(0, D)
+    o_k = tl.load(block_start + i_b).to(tl.int64) + tl.arange(0, BS)  # [BS]
+    m_k = o_k < tl.load(block_end + i_b)
+    p_kv = (o_k * HK + i_hk)[:, None] * D + o_d[None, :]  # [BS, D]
+    b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)
+    b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
+    b_dk = tl.zeros([BS, D], dtype=tl.float32)
+    b_dv = tl.zeros([BS, D], dtype=tl.float32)
+    for i_r in range(0, n_rows, BM):
+        o_r = i_r + tl.arange(0, BM)
+        m_r = o_r < n_rows
+        b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0).to(tl.int64)
+        b_t = b_e // (HK * S)
+        b_g = o_r % G
+        o_h = b_t * HQ + i_hk * G + b_g  # [BM] rows of q, do, lse, delta
+        b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)  # [BM, D]
+        b_do = tl.load(do + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
+        b_lse = tl.load(lse + o_h, mask=m_r, other=0.)
+        b_delta = tl.load(delta + o_h, mask=m_r, other=0.)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
+        m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
+        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BS]
+        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
+        b_dk += tl.dot(tl.trans(b_ds), b_q)
+        if WRITE_DQ:
+            b_dq = tl.dot(b_ds, b_k) * scale  # [BM, D]
+            o_p = (b_e - c0_entry) * G + b_g
+            tl.store(dqp + o_p[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None])
+    # this program alone owns these rows of dk/dv: chunks add to them in launch order
+    b_dk = tl.load(dk + p_kv, mask=m_k[:, None], other=0.) + b_dk * scale
+    b_dv += tl.load(dv + p_kv, mask=m_k[:, None], other=0.)
+    tl.store(dk + p_kv, b_dk, mask=m_k[:, None])
+    tl.store(dv + p_kv, b_dv, mask=m_k[:, None])
+
+
+@triton.jit
+def fmsa_bwd_dq_kernel(
+    dqp, dq, block_indices, tok_start, c0, T,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr,
+):
+    i_t = c0 + tl.program_id(0).to(tl.int64)
+    i_hk = tl.program_id(1)
+    if i_t >= T:
+        return
+    own = (i_t - tl.load(tok_start + i_t)) // BS
+    o_g = tl.arange(0, BG)
+    m_g = o_g < G
+    o_d = tl.arange(0, D)
+    b_dq = tl.zeros([BG, D], dtype=tl.float32)
+    for i_s in range(S):
+        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s)
+        if (b_idx >= 0) & (b_idx <= own):
+            o_p = (((i_t - c0) * HK + i_hk) * S + i_s) * G + o_g
+            b_dq += tl.load(dqp + o_p[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.)
+    o_h = i_t * HQ + i_hk * G + o_g
+    tl.store(dq + o_h[:, None] * D + o_d[None, :], b_dq.to(dq.dtype.element_ty), mask=m_g[:, None])
+
+
+def _group_rows(G: int) -> int:
+    return max(16, triton.next_power_of_2(G))
+
+
+def _fwd_tile_rows(D: int, block_size: int) -> int:
+    return 64
+
+
+def _bwd_tile_rows(D: int, block_size: int) -> int:
+    return 64 if block_size * D <= 64 * 128 else 32
+
+
+def chunk_blocks(csr: SelectionCSR, i_c: int) -> int:
+    """Static bound on the global blocks chunk i_c can select: causality gives id <= t // bs + N."""
+    meta = csr.meta
+    t_end = min(meta.T, (i_c + 1) * csr.chunk_size)
+    return min(meta.num_blocks, (t_end - 1) // meta.block_size + meta.num_blocks - meta.T // meta.block_size + 1)
+
+
+def default_chunk_size(T: int, HQ: int, S: int, D: int) -> int:
+    """Query tokens per chunk: the largest power of two whose partial buffers fit PARTIAL_BUDGET."""
+    per_token = HQ * S * (4 * D + 4)  # the larger one: fp32 dq partials (bwd) >= o + lse (fwd)
+    budget = max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)
+    chunk = 1 << max(6, (budget // per_token).bit_length() - 1)
+    return min(chunk, triton.next_power_of_2(T))
+
+
+def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale):
+    """q [T, HQ, D], k/v [T, HK, D], block_indices [T, HK, S] -> o [T, HQ, D], lse fp32 [T, HQ] (log2)."""
+    T, HQ, D = q.shape
+    HK, S = k.shape[1], block_indices.shape[-1]
+    G = HQ // HK
+    meta, Tc = csr.meta, csr.chunk_size
+    BM = _fwd_tile_rows(D, meta.block_size)
+    tile_key, tile_first, chunk_tiles = tile_schedule(csr, G, BM)
+    o = torch.empty_like(q)
+    lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
+    rows = min(Tc, T) * HK * S * G
+    po = torch.empty(rows, D, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype)
+    plse = torch.empty(rows, device=q.device, dtype=torch.float32)
+    for i_c in range(csr.num_chunks):  # chunks of query tokens bound the partial buffers
+        c0 = i_c * Tc
+        entries = min(Tc, T - c0) * HK * S
+        # static bound on the chunk's tiles: each key adds at most one partial tile
+        tiles = (entries * G + BM - 1) // BM + min(entries, HK * chunk_blocks(csr, i_c))
+        fmsa_fwd_kernel[(tiles,)](
+            q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
+            meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM)
+        fmsa_merge_kernel[(min(Tc, T - c0), HK)](
+            po, plse, o, lse, block_indices, meta.tok_start, c0, T,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_group_rows(G))
+    return o, lse
+
+
+def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial: Optional[torch.Tensor],
+                  block_indices: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None):
+    """dk, dv (dtype of k) by KV block. With ``dq_partial`` also dq (into ``dq``), chunk by chunk."""
+    T, HQ, D = q.shape
+    HK, S = k.shape[1], csr.S
+    G = HQ // HK
+    meta, Tc = csr.meta, csr.chunk_size
+    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    write_dq = dq_partial is not None
+    for i_c in range(csr.num_chunks):
+        c0 = i_c * Tc
+        nbc = chunk_blocks(csr, i_c)
+        fmsa_bwd_dkdv_kernel[(HK * nbc,)](
+            q, k, v, do, lse, delta, dk, dv, dq_partial if write_dq else dk,
+            csr.entry_ids, csr.key_offsets, meta.block_start, meta.block_end,
+            i_c, c0 * HK * S, meta.num_blocks, nbc, scale * LOG2E, scale,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=_bwd_tile_rows(D, meta.block_size),
+            WRITE_DQ=write_dq)
+        if write_dq:
+            fmsa_bwd_dq_kernel[(min(Tc, T - c0), HK)](
+                dq_partial, dq, block_indices, meta.tok_start, c0, T,
+                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_group_rows(G))
+    return dk.to(k.dtype), dv.to(v.dtype)
+
+
+class FMSASelectedAttentionFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale, chunk_size):
+        T, HQ, D = q.shape
+        meta = prepare_block_meta(cu_seqlens, T, block_size)
+        if chunk_size is None:
+            chunk_size = default_chunk_size(T, HQ, block_indices.shape[-1], D)
+        csr = build_selection_csr(block_indices, meta, chunk_size)
+        o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale)
+        ctx.save_for_backward(q, k, v, o, lse, block_indices)
+        ctx.csr, ctx.scale = csr, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, block_indices = ctx.saved_tensors
+        csr, scale = ctx.csr, ctx.scale
+        T, HQ, D = q.shape
+        do = do.contiguous()
+        delta = (o.float() * do.float()).sum(-1)  # [T, HQ]
+        dq = torch.empty_like(q)
+        dq_partial = torch.empty(min(csr.chunk_size, T) * HQ * csr.S, D, device=q.device, dtype=torch.float32)
+        dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, block_indices, dq)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def check_kernel_limits(q: torch.Tensor, block_indices: torch.Tensor) -> None:
+    """The shapes and dtypes the Triton kernels support, beyond the interface's checks."""
+    D, S = q.shape[-1], block_indices.shape[-1]
+    if D not in HEAD_DIMS:
+        raise ValueError(f"D (head dim) must be one of {HEAD_DIMS} for the Triton kernels, got {D}")
+    if S > MAX_S:
+        raise ValueError(f"S (selected blocks per query) must be at most {MAX_S} for the Triton kernels, got {S}")
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"q dtype must be one of (float16, bfloat16, float32) for the Triton kernels, got {q.dtype}")
+
+
+def fmsa_selected_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+    block_size: int, cu_seqlens: Optional[torch.Tensor], scale: float, chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """KV-block-centric selected attention on validated [B, T, H, D] inputs (see ``selected_attention``).
+
+    ``chunk_size`` (query tokens per chunk) defaults to :func:`default_chunk_size`.
+    Raises ValueError for shapes this kernel does not support (head dim, S, dtype).
+    """
+    check_kernel_limits(q, block_indices)
+    B, T, HQ, D = q.shape
+    qf, cu = flatten_batch(q.contiguous(), cu_seqlens)
+    kf = k.contiguous().reshape(B * T, *k.shape[2:])
+    vf = v.contiguous().reshape(B * T, *v.shape[2:])
+    bi = block_indices.contiguous().reshape(B * T, *block_indices.shape[2:])
+    o = FMSASelectedAttentionFunction.apply(qf, kf, vf, bi, block_size, cu, scale, chunk_size)
+    return o.view(B, T, HQ, D)

@@ -1,0 +1,168 @@
+"""Selected attention in the query-centric (NSA) loop order.
+
+One program owns one query token and the G query heads of one KV head: the heads form
+the M dimension of the matmuls (padded to 16 rows when G < 16). It loops over the
+token's selected KV blocks with an online softmax. The backward computes dq in the same
+order; dk and dv come from the KV-block-centric kernel of :mod:`flash_msa.selection.fmsa`
+(one program per KV block, so they need no atomics and are deterministic).
+
+Reads bottom-up: kernels -> host launchers -> autograd Function -> public function.
+Internally scores are kept in log2 units (``scale * log2(e)`` folded into the scale) and
+``lse`` is the log2-sum-exp2 of those scores.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from flash_msa.selection import fmsa as _fmsa
+from flash_msa.utils.csr import build_selection_csr, prepare_block_meta
+from flash_msa.utils.varlen import flatten_batch
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def nsa_fwd_kernel(
+    q, k, v, o, lse, block_indices, tok_start, scale2,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr,
+):
+    i_t, i_hk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    b_start = tl.load(tok_start + i_t).to(tl.int64)
+    own = (i_t - b_start) // BS
+    o_g = tl.arange(0, BG)
+    m_g = o_g < G
+    o_d = tl.arange(0, D)
+    o_bs = tl.arange(0, BS)
+    p_q = q + (i_t * HQ + i_hk * G + o_g)[:, None] * D + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_g[:, None], other=0.)  # [BG, D]
+    b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BG], dtype=tl.float32)
+    b_acc = tl.zeros([BG, D], dtype=tl.float32)
+    for i_s in range(S):
+        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s).to(tl.int64)
+        if (b_idx >= 0) & (b_idx <= own):
+            o_k = b_start + b_idx * BS + o_bs  # [BS] absolute key positions
+            m_k = o_k <= i_t
+            p_k = k + (o_k * HK + i_hk)[:, None] * D + o_d[None, :]
+            b_k = tl.load(p_k, mask=m_k[:, None], other=0.)  # [BS, D]
+            b_v = tl.load(v + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BG, BS]
+            b_s = tl.where(m_k[None, :], b_s, float("-inf"))
+            b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+            b_a = tl.exp2(b_m - b_mn)
+            b_p = tl.exp2(b_s - b_mn[:, None])
+            b_l = b_l * b_a + tl.sum(b_p, 1)
+            b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+            b_m = b_mn
+    b_ok = b_l > 0
+    b_o = b_acc / tl.where(b_ok, b_l, 1.)[:, None]
+    o_h = i_t * HQ + i_hk * G + o_g
+    tl.store(o + o_h[:, None] * D + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_g[:, None])
+    tl.store(lse + o_h, tl.where(b_ok, b_m + tl.log2(tl.where(b_ok, b_l, 1.)), 0.), mask=m_g)
+
+
+@triton.jit
+def nsa_bwd_dq_kernel(
+    q, k, v, do, lse, delta, dq, block_indices, tok_start, scale2, scale,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr,
+):
+    i_t, i_hk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    b_start = tl.load(tok_start + i_t).to(tl.int64)
+    own = (i_t - b_start) // BS
+    o_g = tl.arange(0, BG)
+    m_g = o_g < G
+    o_d = tl.arange(0, D)
+    o_bs = tl.arange(0, BS)
+    o_h = i_t * HQ + i_hk * G + o_g  # [BG] rows of q, do, lse, delta
+    b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.)  # [BG, D]
+    b_do = tl.load(do + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.)
+    b_lse = tl.load(lse + o_h, mask=m_g, other=0.)
+    b_delta = tl.load(delta + o_h, mask=m_g, other=0.)
+    b_dq = tl.zeros([BG, D], dtype=tl.float32)
+    for i_s in range(S):
+        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s).to(tl.int64)
+        if (b_idx >= 0) & (b_idx <= own):
+            o_k = b_start + b_idx * BS + o_bs
+            m_k = o_k <= i_t
+            b_k = tl.load(k + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
+            b_v = tl.load(v + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BG, BS]
+            b_p = tl.where(m_k[None, :], tl.exp2(b_s - b_lse[:, None]), 0.)
+            b_dp = tl.dot(b_do, tl.trans(b_v))  # [BG, BS]
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+    tl.store(dq + o_h[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_g[:, None])
+
+
+def _group_rows(G: int) -> int:
+    return max(16, triton.next_power_of_2(G))
+
+
+def nsa_fwd(q, k, v, block_indices, meta, scale):
+    """q [T, HQ, D], k/v [T, HK, D], block_indices [T, HK, S] -> o [T, HQ, D], lse fp32 [T, HQ]."""
+    T, HQ, D = q.shape
+    HK, S = k.shape[1], block_indices.shape[-1]
+    o = torch.empty_like(q)
+    lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
+    nsa_fwd_kernel[(T, HK)](
+        q, k, v, o, lse, block_indices, meta.tok_start, scale * LOG2E,
+        HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK))
+    return o, lse
+
+
+def nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale):
+    T, HQ, D = q.shape
+    HK, S = k.shape[1], block_indices.shape[-1]
+    dq = torch.empty_like(q)
+    nsa_bwd_dq_kernel[(T, HK)](
+        q, k, v, do, lse, delta, dq, block_indices, meta.tok_start, scale * LOG2E, scale,
+        HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK))
+    return dq
+
+
+class NSASelectedAttentionFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale):
+        T = q.shape[0]
+        meta = prepare_block_meta(cu_seqlens, T, block_size)
+        o, lse = nsa_fwd(q, k, v, block_indices, meta, scale)
+        ctx.save_for_backward(q, k, v, o, lse, block_indices)
+        ctx.meta, ctx.scale = meta, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, block_indices = ctx.saved_tensors
+        meta, scale = ctx.meta, ctx.scale
+        do = do.contiguous()
+        delta = (o.float() * do.float()).sum(-1)  # [T, HQ]
+        dq = nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale)
+        # dk, dv: KV-block-centric over all queries at once (no dq buffer, so one chunk).
+        csr = build_selection_csr(block_indices, meta, chunk_size=q.shape[0])
+        dk, dv = _fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial=None)
+        return dq, dk, dv, None, None, None, None
+
+
+def nsa_selected_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
+    block_size: int, cu_seqlens: Optional[torch.Tensor], scale: float,
+) -> torch.Tensor:
+    """Query-centric selected attention on validated [B, T, H, D] inputs (see ``selected_attention``).
+
+    Raises ValueError for shapes this kernel does not support (head dim, S, dtype).
+    """
+    _fmsa.check_kernel_limits(q, block_indices)
+    B, T, HQ, D = q.shape
+    qf, cu = flatten_batch(q.contiguous(), cu_seqlens)
+    kf = k.contiguous().reshape(B * T, *k.shape[2:])
+    vf = v.contiguous().reshape(B * T, *v.shape[2:])
+    bi = block_indices.contiguous().reshape(B * T, *block_indices.shape[2:])
+    o = NSASelectedAttentionFunction.apply(qf, kf, vf, bi, block_size, cu, scale)
+    return o.view(B, T, HQ, D)

@@ -1,0 +1,143 @@
+"""Block metadata and the compact KV-block -> query index (CSR) of selected attention.
+
+Everything here runs on the device of its inputs with no host sync: every buffer is
+sized from shapes alone (static upper bounds), never from values.
+
+Two levels, so that work is shared where it can be:
+
+* :func:`prepare_block_meta` depends only on ``cu_seqlens`` and the block size. It is
+  computed once per batch and reused by every layer.
+* :func:`build_selection_csr` depends on one layer's ``block_indices``. Its result is
+  saved by the forward and reused by the backward of that layer.
+
+Global KV blocks. Sequence ``i`` of length ``L_i`` owns ``ceil(L_i / bs)`` blocks; they are
+numbered consecutively over the packed stream. Their number is at most
+``T // bs + N`` (``N`` sequences), the static bound ``num_blocks`` used to size everything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BlockMeta:
+    """Per-batch metadata derived from ``cu_seqlens`` (see :func:`prepare_block_meta`)."""
+
+    T: int
+    block_size: int
+    num_blocks: int            # static bound on the number of global KV blocks
+    tok_start: torch.Tensor    # int32 [T]: start of each token's sequence
+    tok_block0: torch.Tensor   # int32 [T]: global id of block 0 of each token's sequence
+    block_start: torch.Tensor  # int32 [num_blocks]: first key of each global block
+    block_end: torch.Tensor    # int32 [num_blocks]: one past its last key (== start if unused)
+
+
+@dataclass
+class SelectionCSR:
+    """Valid (query, KV head, slot) entries grouped by key = (chunk, KV head, global block).
+
+    ``entry_ids[key_offsets[key]:key_offsets[key + 1]]`` are the entries of one key, in
+    increasing token order. An entry id is ``(t * HK + hk) * S + s``. Memory is O(T * HK * S).
+    Queries are split into chunks of ``chunk_size`` tokens so that the kernels can bound
+    their partial buffers by one chunk (docs/selected_attention.md).
+    """
+
+    meta: BlockMeta
+    HK: int
+    S: int
+    chunk_size: int
+    num_chunks: int
+    entry_ids: torch.Tensor    # int32 [T * HK * S], valid entries first
+    key_offsets: torch.Tensor  # int32 [num_chunks * HK * num_blocks + 1]
+
+    @property
+    def keys_per_chunk(self) -> int:
+        return self.HK * self.meta.num_blocks
+
+
+def prepare_block_meta(cu_seqlens: torch.Tensor, T: int, block_size: int) -> BlockMeta:
+    """Token -> sequence start and global block numbering, for one packed batch.
+
+    Args:
+        cu_seqlens: int32 [N+1] offsets of the N packed sequences.
+        T: number of packed tokens (cu_seqlens[-1]), a Python int.
+        block_size: keys per KV block.
+    """
+    device = cu_seqlens.device
+    N = cu_seqlens.numel() - 1
+    num_blocks = T // block_size + N
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    nblk = (lengths + block_size - 1) // block_size  # [N]
+    blk_end_incl = nblk.cumsum(0)  # [N]
+    blk_off = blk_end_incl - nblk
+    t = torch.arange(T, device=device)
+    seq = torch.searchsorted(cu[1:], t, right=True).clamp_max(N - 1)  # [T]
+    j = torch.arange(num_blocks, device=device)
+    bseq = torch.searchsorted(blk_end_incl, j, right=True)  # [num_blocks], N for unused ids
+    used = bseq < N
+    bseq = bseq.clamp_max(N - 1)
+    bstart = cu[bseq] + (j - blk_off[bseq]) * block_size
+    bend = torch.minimum(bstart + block_size, cu[bseq + 1])
+    bstart = torch.where(used, bstart, torch.zeros_like(bstart))
+    bend = torch.where(used, bend, torch.zeros_like(bend))
+    return BlockMeta(
+        T=T, block_size=block_size, num_blocks=num_blocks,
+        tok_start=cu[seq].to(torch.int32), tok_block0=blk_off[seq].to(torch.int32),
+        block_start=bstart.to(torch.int32), block_end=bend.to(torch.int32))
+
+
+def valid_entries(block_indices: torch.Tensor, meta: BlockMeta) -> torch.Tensor:
+    """bool [T, HK, S]: entry names a block at or before the query's own block."""
+    T = block_indices.shape[0]
+    own = (torch.arange(T, device=block_indices.device) - meta.tok_start) // meta.block_size  # [T]
+    return (block_indices >= 0) & (block_indices <= own[:, None, None])
+
+
+def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int) -> SelectionCSR:
+    """Groups the valid entries of ``block_indices`` [T, HK, S] by (chunk, KV head, block).
+
+    A stable sort of one int32 key per entry (invalid entries sort last), then offsets by
+    ``searchsorted``: no host sync, no O(T^2 / block_size) map.
+    """
+    T, HK, S = block_indices.shape
+    device = block_indices.device
+    NB = meta.num_blocks
+    num_chunks = (T + chunk_size - 1) // chunk_size
+    num_keys = num_chunks * HK * NB
+    if num_keys >= 2 ** 31 or T * HK * S >= 2 ** 31:
+        raise ValueError(f"T * HK * S = {T * HK * S} entries is too large for int32 indices (must be < 2^31)")
+    valid = valid_entries(block_indices, meta)
+    t = torch.arange(T, device=device, dtype=torch.int32)
+    gblk = meta.tok_block0[:, None, None] + block_indices  # [T, HK, S]
+    head = torch.arange(HK, device=device, dtype=torch.int32)[None, :, None]
+    key = ((t // chunk_size)[:, None, None] * HK + head) * NB + gblk
+    key = torch.where(valid, key, torch.full_like(key, num_keys)).flatten()
+    sorted_key, order = torch.sort(key, stable=True)
+    key_offsets = torch.searchsorted(
+        sorted_key, torch.arange(num_keys + 1, device=device, dtype=torch.int32), out_int32=True)
+    return SelectionCSR(meta=meta, HK=HK, S=S, chunk_size=chunk_size, num_chunks=num_chunks,
+                        entry_ids=order.to(torch.int32), key_offsets=key_offsets)
+
+
+def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row tiles of BM (entry, head-in-group) rows: row r of a key is entry r // G, head r % G.
+
+    Returns:
+        tile_key: int32 [bound]: the key of each tile (entries past the last tile are junk).
+        tile_first: int32 [num_keys]: index of the first tile of each key.
+        chunk_tiles: int32 [num_chunks + 1]: tiles of chunk c are [chunk_tiles[c], chunk_tiles[c+1]).
+    """
+    HK, S, NB = csr.HK, csr.S, csr.meta.num_blocks
+    counts = (csr.key_offsets[1:] - csr.key_offsets[:-1]).to(torch.int64)  # [num_keys]
+    ntiles = (counts * G + BM - 1) // BM
+    incl = ntiles.cumsum(0)
+    first = incl - ntiles
+    chunk_tiles = torch.cat([first.view(csr.num_chunks, HK * NB)[:, 0], incl[-1:]])
+    E = csr.meta.T * HK * S
+    bound = (E * G + BM - 1) // BM + min(E, csr.num_chunks * HK * NB)
+    tile_key = torch.searchsorted(
+        incl, torch.arange(bound, device=incl.device), right=True, out_int32=True)
+    return tile_key, first.to(torch.int32), chunk_tiles.to(torch.int32)

@@ -1,0 +1,108 @@
+"""Every public flash_msa function rejects bad input with an error naming the argument."""
+import pytest
+import torch
+
+import flash_msa
+
+T, HQ, HK, D = 32, 4, 2, 8
+
+
+def qkv(**over):
+    t = dict(q=torch.randn(1, T, HQ, D), k=torch.randn(1, T, HK, D), v=torch.randn(1, T, HK, D))
+    t.update(over)
+    return t
+
+
+def idx(S=2, **over):
+    return torch.zeros(1, T, HK, S, dtype=torch.int32)
+
+
+CU = torch.tensor([0, 10, T], dtype=torch.int32)
+
+SELECTED_CASES = {
+    "q_rank": (dict(q=torch.randn(T, HQ, D)), {}, ValueError, "q must have shape"),
+    "k_shape": (dict(k=torch.randn(1, T + 1, HK, D)), {}, ValueError, "k and v must have the same shape"),
+    "kv_T": (dict(k=torch.randn(1, T + 1, HK, D), v=torch.randn(1, T + 1, HK, D)), {}, ValueError, "k must have shape"),
+    "heads": (dict(k=torch.randn(1, T, 3, D), v=torch.randn(1, T, 3, D)), {}, ValueError, "multiple of the KV heads"),
+    "group_too_big": (dict(q=torch.randn(1, T, 34, D)), {}, ValueError, "between 1 and 16"),
+    "dtype_mismatch": (dict(k=torch.randn(1, T, HK, D, dtype=torch.float64)), {}, TypeError, "one dtype"),
+    "int_q": (dict(q=torch.zeros(1, T, HQ, D, dtype=torch.int32)), {}, TypeError, "q must have dtype"),
+    "cu_dtype": ({}, dict(cu_seqlens=CU.long()), TypeError, "cu_seqlens must have dtype int32"),
+    "cu_start": ({}, dict(cu_seqlens=torch.tensor([1, 10, T], dtype=torch.int32)), ValueError, "start at 0"),
+    "cu_decreasing": ({}, dict(cu_seqlens=torch.tensor([0, 20, 10, T], dtype=torch.int32)), ValueError, "non-decreasing"),
+    "cu_end": ({}, dict(cu_seqlens=torch.tensor([0, 10, T - 1], dtype=torch.int32)), ValueError, "end at the number of tokens"),
+    "cu_rank": ({}, dict(cu_seqlens=torch.tensor([[0, T]], dtype=torch.int32)), ValueError, "cu_seqlens must have shape"),
+    "idx_dtype": ({}, dict(block_indices=torch.zeros(1, T, HK, 2, dtype=torch.int64)), TypeError, "block_indices must have dtype int32"),
+    "idx_shape": ({}, dict(block_indices=torch.zeros(1, T, HQ, 2, dtype=torch.int32)), ValueError, "block_indices must have shape"),
+    "block_size": ({}, dict(block_size=48), ValueError, "block_size must be one of"),
+    "impl": ({}, dict(impl="triton"), ValueError, "impl must be one of"),
+    "scale": ({}, dict(scale=-1.0), ValueError, "scale must be a positive"),
+}
+
+
+@pytest.mark.parametrize("case", list(SELECTED_CASES))
+def test_selected_attention_errors(case):
+    tensors, kwargs, exc, msg = SELECTED_CASES[case]
+    args = qkv(**tensors)
+    call = dict(block_indices=idx(), block_size=16, impl="reference")
+    call.update(kwargs)
+    bi = call.pop("block_indices")
+    with pytest.raises(exc, match=msg):
+        flash_msa.selected_attention(args["q"], args["k"], args["v"], bi, **call)
+
+
+def test_batched_cu_seqlens_rejected():
+    t = qkv(q=torch.randn(2, T, HQ, D), k=torch.randn(2, T, HK, D), v=torch.randn(2, T, HK, D))
+    with pytest.raises(ValueError, match="B == 1"):
+        flash_msa.selected_attention(t["q"], t["k"], t["v"], torch.zeros(2, T, HK, 1, dtype=torch.int32),
+                                     block_size=16, cu_seqlens=CU, impl="reference")
+
+
+def test_unavailable_impl_names_the_available_ones(monkeypatch):
+    from flash_msa.selection import interface
+    monkeypatch.setattr(interface, "IMPLS", {"reference": interface.IMPLS["reference"]})
+    t = qkv()
+    with pytest.raises(NotImplementedError, match="available: auto, reference"):
+        flash_msa.selected_attention(t["q"], t["k"], t["v"], idx(), block_size=16, impl="fmsa")
+
+
+def nsa_args(**over):
+    block = over.pop("block", 16)
+    a = dict(**qkv(), gates=torch.rand(1, T, HQ, 3),
+             k_cmp_weight=torch.randn(HK, block * D, D), k_cmp_pos=torch.randn(HK, block, D),
+             v_cmp_weight=torch.randn(HK, block * D, D), v_cmp_pos=torch.randn(HK, block, D))
+    a.update(over)
+    return a
+
+
+NSA_CASES = {
+    "gates_shape": (dict(gates=torch.rand(1, T, HQ, 2)), {}, "gates must have shape"),
+    "cmp_weight_shape": (dict(k_cmp_weight=torch.randn(HK, 8 * D, D)), {}, "k_cmp_weight must have shape"),
+    "cmp_pos_shape": (dict(v_cmp_pos=torch.randn(HK, 8, D)), {}, "v_cmp_pos must have shape"),
+    "cmp_block": ({}, dict(cmp_block=24), "cmp_block must be one of"),
+    "stride_divides": ({}, dict(cmp_block=16, cmp_stride=32), "multiple of cmp_stride"),
+    "slc_block": ({}, dict(slc_block=40), "slc_block must be one of"),
+    "topk": ({}, dict(slc_topk=0), "slc_topk must be an int"),
+    "window": ({}, dict(window=0), "window must be a positive int"),
+}
+
+
+@pytest.mark.parametrize("case", list(NSA_CASES))
+def test_nsa_attention_errors(case):
+    tensors, kwargs, msg = NSA_CASES[case]
+    a = nsa_args(**tensors)
+    sizes = dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=4, window=8, impl="reference")
+    sizes.update(kwargs)
+    with pytest.raises(ValueError, match=msg):
+        flash_msa.nsa_attention(**a, **sizes)
+
+
+def test_module_errors():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        flash_msa.NativeSparseAttention(16, 5, 2, 8)
+    with pytest.raises(ValueError, match="slc_block must be one of"):
+        flash_msa.NativeSparseAttention(16, 4, 2, 8, slc_block=100)
+    m = flash_msa.NativeSparseAttention(16, HQ, HK, D, cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=2, window=8)
+    t = qkv()
+    with pytest.raises(ValueError, match="hidden_states must have shape"):
+        m(torch.randn(1, T + 1, 16), t["q"], t["k"], t["v"])

@@ -1,0 +1,271 @@
+"""Selected-attention benchmark on one GPU: fmsa (KV-block-centric) vs nsa (query-centric).
+
+For every shape it first checks correctness, then times:
+  * at --check-T (default 8K) each kernel against the chunked fp32 reference (o, dq, dk, dv);
+  * at every benchmarked shape, fmsa against nsa (o, dq, dk, dv), before timing them.
+Timing: triton.testing.do_bench, median, forward and forward + backward.
+
+Usage (repo root, on the GPU machine):
+    PYTHONPATH=kernels:. python scripts/bench_selected.py --out OUTDIR [--Ts 8192,65536] [--Gs 4,5]
+Writes OUTDIR/selected_h200.{json,md,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import triton
+
+from flash_msa.selection.interface import IMPLS, choose_impl
+from flash_msa.selection.naive import selected_attention_chunked
+from flash_msa.utils.varlen import default_cu_seqlens
+
+IMPL_NAMES = ("fmsa", "nsa")
+
+
+def make_indices(T: int, HK: int, S: int, bs: int, device, gen) -> torch.Tensor:
+    """Realistic selection for one sequence of T tokens: block 0 and the 2 local blocks forced,
+    the rest random distinct earlier blocks; -1 where a query has fewer than S blocks. int32 [T, HK, S]."""
+    nb = (T + bs - 1) // bs
+    out = torch.empty(T, HK, S, dtype=torch.int32, device=device)
+    chunk = max(1, (1 << 27) // (HK * nb))
+    blk = torch.arange(nb, device=device)
+    for c0 in range(0, T, chunk):  # bench setup only: bounded [chunk, HK, nb] scores
+        t = torch.arange(c0, min(T, c0 + chunk), device=device)
+        own = (t // bs)[:, None, None]
+        score = torch.rand(len(t), HK, nb, device=device, generator=gen)
+        forced = (blk == 0) | (blk == own) | (blk == own - 1)
+        score = torch.where(forced, score + 2, score)
+        score = torch.where(blk <= own, score, torch.full_like(score, -1.))
+        val, idx = score.topk(min(S, nb), dim=-1)
+        idx = torch.where(val >= 0, idx, torch.full_like(idx, -1)).int()
+        if nb < S:
+            idx = torch.cat([idx, idx.new_full((len(t), HK, S - nb), -1)], -1)
+        out[c0:c0 + len(t)] = idx
+    return out
+
+
+def useful_flops(bi: torch.Tensor, G: int, D: int, bs: int) -> float:
+    """Forward FLOPs of unmasked work: 4*D per (query head, unmasked key) for q.k and p.v."""
+    T = bi.shape[0]
+    t = torch.arange(T, device=bi.device)[:, None, None]
+    b = bi.long()
+    valid = (b >= 0) & (b <= t // bs)
+    keys = torch.clamp(t - b * bs + 1, max=bs)
+    return float((torch.where(valid, keys, 0).sum() * 4 * D * G).item())
+
+
+def rel_rms(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def run_impl(name, q, k, v, bi, bs, cu, do, backward=True):
+    q.grad = k.grad = v.grad = None
+    o = IMPLS[name](q, k, v, bi, bs, cu, q.shape[-1] ** -0.5)
+    if not backward:
+        return (o,)
+    o.backward(do)
+    return o, q.grad, k.grad, v.grad
+
+
+def make_inputs(T, HK, G, D, S, bs, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    def rnd(*shape):  # random, never zero
+        x = torch.randn(*shape, device=device, generator=gen)
+        return torch.where(x.abs() < 1e-3, torch.full_like(x, 1e-3), x).to(torch.bfloat16)
+    q = rnd(1, T, HK * G, D).requires_grad_()
+    k = rnd(1, T, HK, D).requires_grad_()
+    v = rnd(1, T, HK, D).requires_grad_()
+    do = rnd(1, T, HK * G, D)
+    bi = make_indices(T, HK, S, bs, device, gen)[None]
+    return q, k, v, do, bi
+
+
+def check_reference(T, HK, G, D, S, bs, device, tol=2e-2):
+    """Each kernel (bf16) vs the chunked reference in fp32 on the same bf16 inputs."""
+    q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device, seed=1)
+    cu = default_cu_seqlens(1, T, device)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    o_ref = selected_attention_chunked(qf[0], kf[0], vf[0], bi[0], bs, cu, D ** -0.5)[None]
+    o_ref.backward(do.float())
+    refs = (o_ref, qf.grad, kf.grad, vf.grad)
+    res = {}
+    for name in IMPL_NAMES:
+        outs = run_impl(name, q, k, v, bi, bs, cu, do)
+        res[name] = {n: rel_rms(x, r) for n, x, r in zip(("o", "dq", "dk", "dv"), outs, refs)}
+        ok = all(e <= tol for e in res[name].values())
+        print(f"  check T={T} G={G} {name} vs reference: " + " ".join(f"{n}={e:.2e}" for n, e in res[name].items())
+              + ("  OK" if ok else "  FAIL"), flush=True)
+        res[name]["ok"] = ok
+    return res
+
+
+def peak_extra(fn, out_bytes):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base - out_bytes) / 2 ** 20
+
+
+def bench_shape(T, G, D, S, bs, device, warmup, rep, skip_bwd_over):
+    HK = 4 if G == 16 else 8
+    q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
+    cu = default_cu_seqlens(1, T, device)
+    flops = useful_flops(bi[0], G, D, bs)
+    row = {"T": T, "G": G, "HQ": HK * G, "HK": HK, "D": D, "S": S, "block_size": bs,
+           "fwd_tflop": flops / 1e12, "auto": choose_impl(q, k, S, bs)}
+    with_bwd = T <= skip_bwd_over
+    # correctness at the benchmarked shape: fmsa vs nsa, before any timing
+    outs = {n: [x.detach().clone() for x in run_impl(n, q, k, v, bi, bs, cu, do, backward=with_bwd)]
+            for n in IMPL_NAMES}
+    row["fmsa_vs_nsa"] = {n: rel_rms(a, b) for n, a, b in zip(("o", "dq", "dk", "dv"), outs["fmsa"], outs["nsa"])}
+    row["check_ok"] = all(e <= 2e-2 for e in row["fmsa_vs_nsa"].values())
+    del outs
+    o_bytes = q.numel() * q.element_size()
+    for name in IMPL_NAMES:
+        fwd = lambda: IMPLS[name](q, k, v, bi, bs, cu, D ** -0.5)
+        with torch.no_grad():
+            row[f"{name}_fwd_ms"] = triton.testing.do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
+            row[f"{name}_fwd_extra_mib"] = peak_extra(fwd, o_bytes)
+        row[f"{name}_fwd_tflops"] = flops / row[f"{name}_fwd_ms"] / 1e9
+        if with_bwd:
+            def fb():
+                IMPLS[name](q, k, v, bi, bs, cu, D ** -0.5).backward(do)
+            row[f"{name}_fwdbwd_ms"] = triton.testing.do_bench(
+                fb, warmup=warmup, rep=rep, grad_to_none=[q, k, v], return_mode="median")
+            row[f"{name}_fwdbwd_tflops"] = 3.5 * flops / row[f"{name}_fwdbwd_ms"] / 1e9
+            q.grad = k.grad = v.grad = None
+            row[f"{name}_fwdbwd_extra_mib"] = peak_extra(fb, 4 * o_bytes)
+            q.grad = k.grad = v.grad = None
+    row["ratio_fwd"] = row["fmsa_fwd_ms"] / row["nsa_fwd_ms"]
+    if with_bwd:
+        row["ratio_fwdbwd"] = row["fmsa_fwdbwd_ms"] / row["nsa_fwdbwd_ms"]
+    del q, k, v, do, bi
+    torch.cuda.empty_cache()
+    return row
+
+
+def fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def write_markdown(rows, path, header):
+    lines = [header, "",
+             "| T | G | HQ/HK | fmsa fwd ms | nsa fwd ms | fmsa fwd TFLOP/s | nsa fwd TFLOP/s | fwd fmsa/nsa "
+             "| fmsa f+b ms | nsa f+b ms | f+b fmsa/nsa | fmsa extra MiB (f / f+b) | nsa extra MiB (f / f+b) | auto | check |",
+             "|---" * 15 + "|"]
+    for r in rows:
+        lines.append(
+            f"| {r['T'] // 1024}K | {r['G']} | {r['HQ']}/{r['HK']} | {fmt(r['fmsa_fwd_ms'])} | {fmt(r['nsa_fwd_ms'])} "
+            f"| {fmt(r['fmsa_fwd_tflops'], '.0f')} | {fmt(r['nsa_fwd_tflops'], '.0f')} | {fmt(r['ratio_fwd'])} "
+            f"| {fmt(r.get('fmsa_fwdbwd_ms'))} | {fmt(r.get('nsa_fwdbwd_ms'))} | {fmt(r.get('ratio_fwdbwd'))} "
+            f"| {fmt(r['fmsa_fwd_extra_mib'], '.0f')} / {fmt(r.get('fmsa_fwdbwd_extra_mib'), '.0f')} "
+            f"| {fmt(r['nsa_fwd_extra_mib'], '.0f')} / {fmt(r.get('nsa_fwdbwd_extra_mib'), '.0f')} "
+            f"| {r['auto']} | {'ok' if r['check_ok'] else 'FAIL'} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+        return
+    Gs = sorted({r["G"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for G in Gs:
+        rs = sorted((r for r in rows if r["G"] == G), key=lambda r: r["T"])
+        Ts = [r["T"] for r in rs]
+        line, = axes[0].plot(Ts, [r["fmsa_fwd_ms"] for r in rs], "o-", label=f"fmsa G={G}")
+        axes[0].plot(Ts, [r["nsa_fwd_ms"] for r in rs], "x--", color=line.get_color(), label=f"nsa G={G}")
+        rb = [r for r in rs if r.get("ratio_fwdbwd") is not None]
+        axes[1].plot([r["T"] for r in rs], [r["ratio_fwd"] for r in rs], "o-", color=line.get_color(), label=f"fwd G={G}")
+        axes[1].plot([r["T"] for r in rb], [r["ratio_fwdbwd"] for r in rb], "x--", color=line.get_color(), label=f"f+b G={G}")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T (tokens)")
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("forward ms (median)")
+    axes[0].set_title("selected attention forward, H200 bf16, D=128, l'=64, n=16")
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[1].set_ylabel("time fmsa / nsa (< 1: fmsa faster)")
+    axes[1].set_title("fmsa / nsa")
+    axes[0].legend(fontsize=6, ncol=2)
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--Ts", default="8192,32768,65536,131072,262144,1048576")
+    ap.add_argument("--Gs", default="1,2,4,5,8,16")
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--S", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--check-T", type=int, default=8192)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--rep", type=int, default=40)
+    ap.add_argument("--skip-bwd-over", type=int, default=1 << 30, help="time only the forward above this T")
+    ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; stop starting new shapes after it")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_selected.py needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    device = "cuda"
+    t_start = time.time()
+    Ts = [int(x) for x in args.Ts.split(",")]
+    Gs = [int(x) for x in args.Gs.split(",")]
+    D, S, bs = args.D, args.S, args.block_size
+    dev = torch.cuda.get_device_name()
+    print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    checks = {}
+    for G in Gs:
+        HK = 4 if G == 16 else 8
+        checks[G] = check_reference(args.check_T, HK, G, D, S, bs, device)
+    rows = []
+    for T in Ts:
+        for G in Gs:
+            if time.time() - t_start > args.time_budget:
+                print(f"time budget reached: skipping T={T} G={G}", flush=True)
+                continue
+            try:
+                r = bench_shape(T, G, D, S, bs, device, args.warmup, args.rep, args.skip_bwd_over)
+            except torch.OutOfMemoryError:
+                print(f"T={T} G={G}: out of memory, skipped", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            rows.append(r)
+            print(f"T={T:>7} G={G:>2}: fmsa fwd {r['fmsa_fwd_ms']:8.2f} ms ({r['fmsa_fwd_tflops']:5.0f} TF/s) "
+                  f"nsa fwd {r['nsa_fwd_ms']:8.2f} ms | f+b fmsa {fmt(r.get('fmsa_fwdbwd_ms')):>8} "
+                  f"nsa {fmt(r.get('nsa_fwdbwd_ms')):>8} | ratio fwd {r['ratio_fwd']:.2f} "
+                  f"f+b {fmt(r.get('ratio_fwdbwd'))} | extra MiB fmsa {r['fmsa_fwd_extra_mib']:.0f}/"
+                  f"{fmt(r.get('fmsa_fwdbwd_extra_mib'), '.0f')} | auto {r['auto']} | "
+                  f"check {'ok' if r['check_ok'] else 'FAIL ' + str(r['fmsa_vs_nsa'])}", flush=True)
+            with open(os.path.join(args.out, "selected_h200.json"), "w") as f:
+                json.dump({"device": dev, "torch": torch.__version__, "triton": triton.__version__,
+                           "args": vars(args), "reference_checks": checks, "rows": rows}, f, indent=1)
+    header = (f"Selected attention on {dev} (torch {torch.__version__}, Triton {triton.__version__}), bf16, "
+              f"D={D}, l'={bs}, n={S}, HK=8 (4 for G=16); median of triton.testing.do_bench. "
+              "TFLOP/s count only unmasked q.k and p.v work (f+b: 3.5x the forward's). "
+              "Extra MiB: peak allocation beyond inputs and outputs (index, buffers, autograd saves).")
+    write_markdown(rows, os.path.join(args.out, "selected_h200.md"), header)
+    plot(rows, os.path.join(args.out, "selected_h200.png"))
+    print(f"done in {time.time() - t_start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The typed ``data`` config group.
+
+Every field is a plain type (str, int, float, bool, Optional, List[str]) so that the
+dataclass can be registered as a Hydra structured config as it is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+FORMATS = ("generated", "pretrain", "sft", "preference")
+FILE_TYPES = ("jsonl", "json", "parquet", "txt")
+TEXT_SAMPLE_BY = ("document", "paragraph", "line")
+
+
+@dataclass
+class DataConfig:
+    """Where the training documents come from and how they become token sequences.
+
+    Attributes:
+        format: "generated" (built-in long-document corpus, no files), "pretrain"
+            (plain documents), "sft" (prompt/response or chat-messages records,
+            loss on the response / assistant turns only) or "preference"
+            (prompt/chosen/rejected pairs, tokenised and validated for a later trainer).
+        path: file or directory, or a list of them. Directories are searched
+            recursively for *.jsonl, *.json, *.parquet and *.txt files.
+        file_type: overrides the type detected from each file's extension.
+        text_field: the document field of pretrain records.
+        prompt_field / response_field: the fields of prompt/response SFT records
+            (and the prompt of preference records).
+        messages_field: the field of chat records: a list of {"role", "content"}.
+        chosen_field / rejected_field: the two responses of a preference record.
+        text_sample_by: how a .txt file is cut into documents: one "document" per
+            file, one per blank-line separated "paragraph", or one per "line".
+        tokenizer: None (the model's tokenizer when model.path is given, else the
+            built-in byte-level tokenizer), "byte" (always the built-in one), or a
+            local directory holding a HF tokenizer.
+        add_bos: prepend the tokenizer's BOS token (when it has one) to each document.
+        max_bad_fraction: the run fails when more than this fraction of the
+            records is malformed; below it the bad records are skipped with a warning.
+        num_docs / min_doc_tokens / max_doc_tokens: size of the generated corpus
+            (lengths are in characters, which are tokens of the byte-level tokenizer).
+        seed: seeds the generated corpus and the packing order.
+        num_proc: worker processes for tokenisation.
+        cache_dir: where the loaded records and their tokenisation are cached.
+            None keeps everything in memory and writes nothing to disk.
+    """
+
+    format: str = "generated"
+    path: Optional[Any] = None  # str | List[str]; Any keeps Hydra from forcing one of them
+    file_type: Optional[str] = None
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    text_sample_by: str = "document"
+    tokenizer: Optional[str] = None
+    add_bos: bool = True
+    max_bad_fraction: float = 0.0
+    num_docs: int = 256
+    min_doc_tokens: int = 512
+    max_doc_tokens: int = 4096
+    seed: int = 0
+    num_proc: int = 1
+    cache_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"data.format={self.format!r} is not one of {list(FORMATS)}")
+        if self.file_type is not None and self.file_type not in FILE_TYPES:
+            raise ValueError(f"data.file_type={self.file_type!r} is not one of {list(FILE_TYPES)} (or null to detect)")
+        if self.text_sample_by not in TEXT_SAMPLE_BY:
+            raise ValueError(f"data.text_sample_by={self.text_sample_by!r} is not one of {list(TEXT_SAMPLE_BY)}")
+        self.path = _normalise_path(self.path)
+        if self.format == "generated":
+            if self.path:
+                raise ValueError("data.path must be empty with data.format='generated'; "
+                                 f"use format in {list(FORMATS[1:])} to read files")
+        elif not self.path:
+            raise ValueError(f"data.path is required with data.format={self.format!r}: "
+                             "a jsonl / json / parquet / txt file or directory, or a list of them")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ValueError(f"data.max_bad_fraction={self.max_bad_fraction} must be in [0, 1]")
+        if self.num_docs < 1:
+            raise ValueError(f"data.num_docs={self.num_docs} must be >= 1")
+        if not 64 <= self.min_doc_tokens <= self.max_doc_tokens:
+            raise ValueError(f"data.min_doc_tokens={self.min_doc_tokens} and data.max_doc_tokens="
+                             f"{self.max_doc_tokens} must satisfy 64 <= min_doc_tokens <= max_doc_tokens")
+        if self.num_proc < 1:
+            raise ValueError(f"data.num_proc={self.num_proc} must be >= 1")
+        for name in ("text_field", "prompt_field", "response_field", "messages_field",
+                     "chosen_field", "rejected_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"data.{name} must be a non-empty string, got {getattr(self, name)!r}")
+
+    @property
+    def paths(self) -> List[str]:
+        """``path`` as a list (empty for the generated corpus)."""
+        return list(self.path or [])
+
+
+def _normalise_path(path: Any) -> List[str]:
+    """str | list[str] | None -> list[str]. Hydra hands lists over as ListConfig, hence no isinstance(list)."""
+    if path is None or path == "":
+        return []
+    if isinstance(path, str):
+        return [path]
+    try:
+        paths = [p for p in path]
+    except TypeError:
+        raise ValueError(f"data.path must be a string or a list of strings, got {type(path).__name__}") from None
+    for p in paths:
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"data.path entries must be non-empty strings, got {p!r}")
+    return paths

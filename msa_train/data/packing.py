@@ -1,0 +1,183 @@
+"""Packing tokenised documents into fixed-length sequences.
+
+Convention, for every item of length T:
+
+- Documents (each ending with EOS) are placed whole into sequences. A document longer
+  than T is first cut into pieces of exactly T tokens, each filling a sequence on its
+  own; its remainder (< T) is placed like any short document. Every document or piece
+  is one segment: ``position_ids`` restart at 0 and ``cu_seqlens`` has a boundary at
+  its start, so attention never crosses it (a piece of a split document does not see
+  the earlier pieces).
+- Placement is best-fit decreasing over the remainders, after a seeded shuffle that
+  breaks ties, so padding stays small and the result is deterministic given the seed.
+- The tail of a sequence that no document fills is padding: pad token, label -100, and
+  its own segment (positions from 0), so ``cu_seqlens`` always ends at T.
+- Labels follow the HF convention (aligned with ``input_ids``, shifted inside the loss),
+  so ``labels[s]`` is what position ``s - 1`` is trained to predict. At every segment
+  start ``s`` the label is set to -100: the last token of one document (its EOS) is
+  never trained to predict the first token of the next document or piece.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import torch
+
+from .tokenization import IGNORE_INDEX
+
+
+@dataclass
+class PackingPlan:
+    """Where each packed sequence's segments come from: sequence i holds the pieces
+    ``seq_ptr[i]:seq_ptr[i+1]``, piece j being tokens ``[start[j], start[j] + length[j])``
+    of document ``doc[j]``."""
+
+    seq_ptr: np.ndarray  # int64 [S+1]
+    doc: np.ndarray  # int64 [P]
+    start: np.ndarray  # int64 [P]
+    length: np.ndarray  # int64 [P]
+
+    def __len__(self) -> int:
+        return len(self.seq_ptr) - 1
+
+
+def plan_packing(lengths: np.ndarray, seq_len: int, seed: int) -> PackingPlan:
+    """Assigns documents of the given token lengths to sequences of ``seq_len`` tokens.
+
+    Args:
+        lengths: int [N], tokens per document (EOS included), all >= 1.
+        seq_len: T.
+        seed: shuffles the document order (ties of the best-fit and the sequence order).
+
+    Returns:
+        The plan; every token of every document is placed exactly once.
+    """
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(lengths))
+    sequences: list[list[tuple[int, int, int]]] = []
+    rest: list[tuple[int, int, int]] = []  # (doc, start, length) of remainders < seq_len
+    for d in order.tolist():
+        n = int(lengths[d])
+        full = n // seq_len
+        sequences += [[(d, k * seq_len, seq_len)] for k in range(full)]
+        if n > full * seq_len:
+            rest.append((d, full * seq_len, n - full * seq_len))
+
+    # Best-fit decreasing: longest first, each into the open sequence with the least
+    # room that still fits it. `free` is sorted (room, bin).
+    rest.sort(key=lambda p: -p[2])  # stable: equal lengths keep the shuffled order
+    bins: list[list[tuple[int, int, int]]] = []
+    free: list[tuple[int, int]] = []
+    for piece in rest:
+        i = bisect.bisect_left(free, (piece[2], -1))
+        if i < len(free):
+            room, b = free.pop(i)
+        else:
+            room, b = seq_len, len(bins)
+            bins.append([])
+        bins[b].append(piece)
+        if room - piece[2] > 0:
+            bisect.insort(free, (room - piece[2], b))
+    sequences += bins
+    sequences = [sequences[i] for i in rng.permutation(len(sequences)).tolist()]
+
+    pieces = [p for s in sequences for p in s]
+    seq_ptr = np.zeros(len(sequences) + 1, dtype=np.int64)
+    np.cumsum([len(s) for s in sequences], out=seq_ptr[1:])
+    arr = np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
+    return PackingPlan(seq_ptr=seq_ptr, doc=arr[:, 0], start=arr[:, 1], length=arr[:, 2])
+
+
+def _item(segments: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> dict:
+    """Segments of (input_ids, labels) -> one packed item (see the module docstring)."""
+    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.empty(seq_len, dtype=np.int64)
+    cu = [0]
+    for ids, lab in segments:
+        s, n = cu[-1], len(ids)
+        input_ids[s:s + n] = ids
+        labels[s:s + n] = lab
+        labels[s] = IGNORE_INDEX  # no prediction across the boundary (HF labels are shifted in the loss)
+        position_ids[s:s + n] = np.arange(n)
+        cu.append(s + n)
+    assert cu[-1] <= seq_len, cu
+    if cu[-1] < seq_len:  # the padding tail is a segment of its own
+        position_ids[cu[-1]:] = np.arange(seq_len - cu[-1])
+        cu.append(seq_len)
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(position_ids),
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": int(np.diff(cu).max()),
+    }
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Packed sequences of T tokens, built on access from the tokenised documents and a plan.
+
+    Items: ``input_ids``, ``labels``, ``position_ids`` int64 [T]; ``cu_seqlens`` int32
+    [N+1] with ``cu_seqlens[-1] == T``; ``max_seqlen`` a Python int.
+    """
+
+    def __init__(self, tokens: datasets.Dataset, plan: PackingPlan, seq_len: int, pad_id: int):
+        self.tokens = tokens.with_format("numpy", columns=["input_ids", "labels"])
+        self.plan, self.seq_len, self.pad_id = plan, seq_len, pad_id
+        self.report = None  # the RecordReport of the files read, set by build_packed_dataset
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"item {i} out of range for {len(self)} packed sequences")
+        i %= len(self)
+        p = self.plan
+        segments = []
+        for j in range(p.seq_ptr[i], p.seq_ptr[i + 1]):
+            row = self.tokens[int(p.doc[j])]
+            s, n = p.start[j], p.length[j]
+            segments.append((row["input_ids"][s:s + n], row["labels"][s:s + n]))
+        return _item(segments, self.seq_len, self.pad_id)
+
+    @property
+    def num_tokens(self) -> int:
+        """Document tokens placed (padding excluded)."""
+        return int(self.plan.length.sum())
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.num_tokens / max(1, len(self) * self.seq_len)
+
+
+class PreferencePairDataset(torch.utils.data.Dataset):
+    """One preference pair per item: segment 0 is prompt + chosen, segment 1 prompt + rejected.
+
+    Deliberately simple packing: pairs are not packed together. A pair longer than T is
+    cut from the right, each side keeping at least T // 2 tokens when it has them; the
+    number of cut pairs is in ``num_truncated``. Items have the packed-item keys above.
+    """
+
+    def __init__(self, tokens: datasets.Dataset, seq_len: int, pad_id: int):
+        self.tokens = tokens.with_format("numpy", columns=[c for c in tokens.column_names if c != "length"])
+        self.seq_len, self.pad_id = seq_len, pad_id
+        lengths = tokens.with_format("numpy")["length"]
+        self.num_truncated = int((lengths > seq_len).sum())
+        self.report = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.tokens[i]
+        nc, nr = len(row["chosen_input_ids"]), len(row["rejected_input_ids"])
+        keep_c = min(nc, max(self.seq_len - nr, self.seq_len // 2))
+        keep_r = min(nr, self.seq_len - keep_c)
+        return _item([(row["chosen_input_ids"][:keep_c], row["chosen_labels"][:keep_c]),
+                      (row["rejected_input_ids"][:keep_r], row["rejected_labels"][:keep_r])],
+                     self.seq_len, self.pad_id)

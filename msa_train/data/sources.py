@@ -1,0 +1,339 @@
+"""Reading and validating records from local files.
+
+The files are read here, record by record, rather than with ``load_dataset("json")``:
+the datasets json loader parses a file as a whole, so one bad line fails the entire
+load without naming the line, and mixed value types inside a field fail Arrow type
+inference. Reading ourselves lets every malformed record be counted and reported as
+``file:line: reason``, and hands the datasets library records of one fixed schema.
+
+Locations: ``path:LINE`` (1-based) for jsonl and txt, ``path:item N`` (0-based) for
+records of a JSON array, ``path:row N`` (0-based) for parquet.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import datasets
+
+from .config import DataConfig, FILE_TYPES
+
+logger = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+SOURCE_COL, ERROR_COL = "_source", "_error"
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
+               ".txt": "txt", ".text": "txt", ".md": "txt"}
+_MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}) \
+    if hasattr(datasets, "List") else [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
+
+
+class DataValidationError(ValueError):
+    """Too many malformed records: the message lists the first few as ``file:line: reason``."""
+
+
+def record_features(fmt: str) -> datasets.Features:
+    """The fixed schema of validated records of one format (plus source and error columns)."""
+    s = datasets.Value("string")
+    cols = {
+        "pretrain": {"text": s},
+        "generated": {"text": s},
+        "sft": {"prompt": s, "response": s, "messages": _MESSAGES},
+        "preference": {"prompt": s, "chosen": s, "rejected": s},
+    }[fmt]
+    return datasets.Features({**cols, SOURCE_COL: s, ERROR_COL: s})
+
+
+# --------------------------------------------------------------------------- files
+
+def resolve_files(cfg: DataConfig) -> list[tuple[str, str]]:
+    """``cfg.path`` -> sorted [(file, file_type)]. Directories are walked recursively.
+
+    Raises:
+        ValueError: a path does not exist, a file type is unknown, or no file was found.
+    """
+    files: list[tuple[str, str]] = []
+    for path in cfg.paths:
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, names in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for name in sorted(names):
+                    ext = os.path.splitext(name)[1].lower()
+                    if not name.startswith(".") and (ext in _EXTENSIONS or cfg.file_type):
+                        found.append(os.path.join(root, name))
+            if not found:
+                raise ValueError(f"data.path={path!r}: the directory holds no "
+                                 f"{'/'.join(sorted(_EXTENSIONS))} files")
+            files += [(f, _file_type(f, cfg)) for f in sorted(found)]
+        elif os.path.isfile(path):
+            files.append((path, _file_type(path, cfg)))
+        else:
+            raise ValueError(f"data.path={path!r} does not exist (a local file or directory is expected)")
+    if cfg.format == "sft" or cfg.format == "preference":
+        txt = [f for f, t in files if t == "txt"]
+        if txt:
+            raise ValueError(f"data.format={cfg.format!r} needs structured records, but {txt[0]!r} is plain "
+                             "text; use jsonl / json / parquet, or data.format='pretrain'")
+    return files
+
+
+def _file_type(path: str, cfg: DataConfig) -> str:
+    if cfg.file_type:
+        return cfg.file_type
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in _EXTENSIONS:
+        raise ValueError(f"data.path: cannot tell the type of {path!r} from its extension; "
+                         f"set data.file_type to one of {list(FILE_TYPES)}")
+    return _EXTENSIONS[ext]
+
+
+def file_fingerprints(files: list[tuple[str, str]]) -> list[tuple[str, str, int, int]]:
+    """(path, type, size, mtime_ns) per file: part of the cache key, so an edited file is re-read."""
+    out = []
+    for path, ftype in files:
+        st = os.stat(path)
+        out.append((os.path.abspath(path), ftype, st.st_size, st.st_mtime_ns))
+    return out
+
+
+# --------------------------------------------------------------------------- raw records
+
+def _raw_records(path: str, ftype: str, cfg: DataConfig) -> Iterator[tuple[str, Any, Optional[str]]]:
+    """Yields (location, raw record, parse error) for one file."""
+    if ftype == "jsonl":
+        yield from _jsonl_records(path)
+    elif ftype == "json":
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            obj = None  # not one JSON value: many .json files are JSON lines
+        if isinstance(obj, list):
+            for i, rec in enumerate(obj):
+                yield f"{path}:item {i}", rec, None
+        elif isinstance(obj, dict):
+            yield f"{path}:item 0", obj, None
+        else:
+            yield from _jsonl_records(path)
+    elif ftype == "parquet":
+        import pyarrow.parquet as pq
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow raises several types for a corrupt file
+            yield f"{path}:row 0", None, f"unreadable parquet file: {e}"
+            return
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024):
+            for rec in batch.to_pylist():
+                yield f"{path}:row {row}", rec, None
+                row += 1
+    elif ftype == "txt":
+        yield from _txt_records(path, cfg.text_sample_by, cfg.text_field)
+    else:
+        raise AssertionError(ftype)
+
+
+def _jsonl_records(path: str) -> Iterator[tuple[str, Any, Optional[str]]]:
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines separate nothing and hold no record
+            try:
+                yield f"{path}:{lineno}", json.loads(line), None
+            except UnicodeDecodeError as e:
+                yield f"{path}:{lineno}", None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+            except json.JSONDecodeError as e:
+                yield f"{path}:{lineno}", None, f"invalid JSON ({e.msg} at column {e.colno})"
+
+
+def _txt_records(path: str, sample_by: str, text_field: str) -> Iterator[tuple[str, Any, Optional[str]]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        yield f"{path}:1", None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+        return
+    if sample_by == "document":
+        yield f"{path}:1", {text_field: text}, None
+        return
+    # Blank lines separate paragraphs / lines; they are not records, so they are skipped.
+    pattern = r"[^\n]+" if sample_by == "line" else r"\S[\s\S]*?(?=\n[ \t]*\n|\Z)"
+    lineno, pos = 1, 0
+    for m in re.finditer(pattern, text):
+        lineno, pos = lineno + text.count("\n", pos, m.start()), m.start()
+        if m.group().strip():
+            yield f"{path}:{lineno}", {text_field: m.group()}, None
+
+
+# --------------------------------------------------------------------------- validation
+
+def _type_name(x: Any) -> str:
+    return "null" if x is None else type(x).__name__
+
+
+def _get_str(rec: dict, name: str, allow_empty: bool = False) -> str:
+    if name not in rec:
+        raise _Bad(f"missing field {name!r} (record has: {', '.join(map(str, rec)) or 'no fields'})")
+    value = rec[name]
+    if not isinstance(value, str):
+        raise _Bad(f"field {name!r} must be a string, got {_type_name(value)}")
+    if not allow_empty and not value.strip():
+        raise _Bad(f"field {name!r} is empty")
+    return value
+
+
+def _get_messages(rec: dict, name: str) -> list[dict]:
+    msgs = rec[name]
+    if not isinstance(msgs, list) or not msgs:
+        raise _Bad(f"field {name!r} must be a non-empty list of {{role, content}}, got {_type_name(msgs)}")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _Bad(f"{name}[{i}] must be an object with 'role' and 'content', got {_type_name(m)}")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise _Bad(f"{name}[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise _Bad(f"{name}[{i}].content must be a string, got {_type_name(content)}")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
+        raise _Bad(f"field {name!r} has no non-empty assistant message, so nothing would be trained")
+    return out
+
+
+class _Bad(Exception):
+    """A record-level validation failure; its message is the reported reason."""
+
+
+def validate_record(rec: Any, cfg: DataConfig) -> dict:
+    """One raw record -> the normalised columns of ``record_features(cfg.format)``.
+
+    Raises:
+        _Bad: with the reason, when the record is malformed.
+    """
+    if not isinstance(rec, dict):
+        raise _Bad(f"expected a JSON object, got {_type_name(rec)}")
+    fmt = cfg.format
+    if fmt == "pretrain":
+        return {"text": _get_str(rec, cfg.text_field)}
+    if fmt == "sft":
+        if cfg.messages_field in rec:
+            return {"prompt": "", "response": "", "messages": _get_messages(rec, cfg.messages_field)}
+        if cfg.prompt_field not in rec and cfg.response_field not in rec:
+            raise _Bad(f"missing fields: either {cfg.messages_field!r} (chat) or {cfg.prompt_field!r} and "
+                       f"{cfg.response_field!r} (record has: {', '.join(map(str, rec)) or 'no fields'})")
+        return {"prompt": _get_str(rec, cfg.prompt_field, allow_empty=True),
+                "response": _get_str(rec, cfg.response_field), "messages": []}
+    if fmt == "preference":
+        return {"prompt": _get_str(rec, cfg.prompt_field, allow_empty=True),
+                "chosen": _get_str(rec, cfg.chosen_field), "rejected": _get_str(rec, cfg.rejected_field)}
+    raise AssertionError(fmt)
+
+
+def _empty_record(fmt: str) -> dict:
+    return {"text": ""} if fmt in ("pretrain", "generated") else \
+        {"prompt": "", "response": "", "messages": []} if fmt == "sft" else \
+        {"prompt": "", "chosen": "", "rejected": ""}
+
+
+def _validated_records(files: list, cfg_dict: dict) -> Iterator[dict]:
+    """Every record of ``files``, valid or not; bad ones carry their reason in ``_error``.
+
+    Bad records stay in the dataset (with empty fields) rather than being dropped here,
+    so a dataset reloaded from the cache still reports them.
+    """
+    cfg = DataConfig(**cfg_dict)
+    for path, ftype, *_ in files:
+        for loc, rec, error in _raw_records(path, ftype, cfg):
+            if error is None:
+                try:
+                    yield {**validate_record(rec, cfg), SOURCE_COL: loc, ERROR_COL: ""}
+                    continue
+                except _Bad as e:
+                    error = str(e)
+            yield {**_empty_record(cfg.format), SOURCE_COL: loc, ERROR_COL: error}
+
+
+# --------------------------------------------------------------------------- report
+
+@dataclass
+class RecordReport:
+    """How many records were read and which were malformed (first ``MAX_EXAMPLES`` kept)."""
+
+    total: int = 0
+    num_bad: int = 0
+    examples: list[str] = field(default_factory=list)  # "file:line: reason"
+
+    MAX_EXAMPLES = 20
+
+    @property
+    def bad_fraction(self) -> float:
+        return self.num_bad / self.total if self.total else 0.0
+
+    def summary(self, shown: int = 5) -> str:
+        lines = [f"{self.num_bad} of {self.total} records ({100 * self.bad_fraction:.2f}%) are malformed"]
+        lines += [f"  {e}" for e in self.examples[:shown]]
+        if self.num_bad > shown:
+            lines.append(f"  ... and {self.num_bad - shown} more")
+        return "\n".join(lines)
+
+
+def check_report(report: RecordReport, max_bad_fraction: float) -> None:
+    """Fail above the threshold, warn below it.
+
+    Raises:
+        DataValidationError: no valid record, or a bad fraction above ``max_bad_fraction``.
+    """
+    if report.total == 0:
+        raise DataValidationError("data: the files hold no records")
+    if report.num_bad == report.total or report.bad_fraction > max_bad_fraction:
+        raise DataValidationError(
+            f"data: {report.summary()}\nwhich is above data.max_bad_fraction={max_bad_fraction}. "
+            "Fix the records, or raise data.max_bad_fraction to skip them.")
+    if report.num_bad:
+        logger.warning("data: skipping malformed records: %s", report.summary())
+
+
+def load_records(cfg: DataConfig) -> tuple[datasets.Dataset, RecordReport]:
+    """Reads and validates ``cfg.path``: the valid records as a Dataset, and the report.
+
+    With ``cfg.cache_dir`` the records are written there by ``Dataset.from_generator``
+    (keyed by the files' size and mtime), otherwise they are kept in memory.
+
+    Raises:
+        ValueError: bad paths; DataValidationError: too many malformed records.
+    """
+    files = file_fingerprints(resolve_files(cfg))
+    features = record_features(cfg.format)
+    gen_kwargs = {"files": files, "cfg_dict": _validation_fields(cfg)}
+    if cfg.cache_dir:
+        ds = datasets.Dataset.from_generator(_validated_records, features=features, gen_kwargs=gen_kwargs,
+                                             cache_dir=cfg.cache_dir)
+    else:
+        rows = list(_validated_records(**gen_kwargs))
+        ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in features}, features=features)
+
+    errors = ds[ERROR_COL]
+    bad = [i for i, e in enumerate(errors) if e]
+    report = RecordReport(total=len(ds), num_bad=len(bad))
+    if bad:
+        sources = ds.select(bad[:RecordReport.MAX_EXAMPLES])[SOURCE_COL]
+        report.examples = [f"{s}: {errors[i]}" for s, i in zip(sources, bad)]
+    check_report(report, cfg.max_bad_fraction)
+    if bad:
+        bad_set = set(bad)
+        ds = ds.select([i for i in range(len(ds)) if i not in bad_set])
+    return ds, report
+
+
+def _validation_fields(cfg: DataConfig) -> dict:
+    """The config fields that decide how records are read: the cache key of ``load_records``."""
+    keys = ("format", "path", "file_type", "text_field", "prompt_field", "response_field", "messages_field",
+            "chosen_field", "rejected_field", "text_sample_by")
+    return {k: getattr(cfg, k) for k in keys}

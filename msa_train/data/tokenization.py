@@ -1,0 +1,136 @@
+"""Validated records -> token ids and labels, one example per record, via ``datasets.map``.
+
+Label convention (HF): ``labels`` are aligned with ``input_ids`` (not shifted); the
+model's loss shifts them, so logits at t are scored against ``labels[t + 1]``.
+``-100`` masks a token out of the loss: prompt tokens in SFT, non-assistant chat turns,
+BOS. Packing masks more (see ``packing.py``).
+
+Every example ends with EOS (trained: the model must learn where a document ends).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+
+IGNORE_INDEX = -100
+_IDS = datasets.Sequence(datasets.Value("int32"))
+TOKEN_FEATURES = datasets.Features({"input_ids": _IDS, "labels": _IDS, "length": datasets.Value("int32")})
+PREFERENCE_FEATURES = datasets.Features({
+    "chosen_input_ids": _IDS, "chosen_labels": _IDS, "rejected_input_ids": _IDS, "rejected_labels": _IDS,
+    "length": datasets.Value("int32")})
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    # Special tokens are added by hand below, identically for every tokenizer.
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
+def _bos(tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> list[int]:
+    return [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
+
+
+def _tokenize_pretrain(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> dict:
+    bos, eos = _bos(tokenizer, add_bos), [tokenizer.eos_token_id]
+    ids = [bos + t + eos for t in _encode(tokenizer, batch["text"])]
+    labels = [[IGNORE_INDEX] * len(bos) + x[len(bos):] for x in ids]
+    return {"input_ids": ids, "labels": labels, "length": [len(x) for x in ids]}
+
+
+def _tokenize_sft(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> dict:
+    """Prompt/response records: BOS + prompt (masked) + response + EOS (trained). Chat: see chat_segments."""
+    bos, eos = _bos(tokenizer, add_bos), tokenizer.eos_token_id
+    # Every record becomes a list of (text, trained) segments; all texts of the batch are
+    # encoded in one tokenizer call.
+    segments = []
+    for prompt, response, messages in zip(batch["prompt"], batch["response"], batch["messages"]):
+        segments.append(chat_segments(messages, tokenizer) if messages else [(prompt, False), (response, True)])
+    flat = _encode(tokenizer, [text for segs in segments for text, _ in segs])
+    out_ids, out_labels, k = [], [], 0
+    for segs in segments:
+        ids, labels = list(bos), [IGNORE_INDEX] * len(bos)
+        for _, trained in segs:
+            ids += flat[k]
+            labels += flat[k] if trained else [IGNORE_INDEX] * len(flat[k])
+            k += 1
+        if not ids or ids[-1] != eos:  # chat templates may already end with EOS
+            ids.append(eos)
+            labels.append(eos if segs[-1][1] else IGNORE_INDEX)
+        out_ids.append(ids)
+        out_labels.append(labels)
+    return {"input_ids": out_ids, "labels": out_labels, "length": [len(x) for x in out_ids]}
+
+
+def chat_segments(messages: list[dict], tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, bool]]:
+    """A conversation as (text, trained) segments; only assistant turns are trained.
+
+    With a chat template: assistant turn i is ``render(messages[:i+1])`` minus
+    ``render(messages[:i], add_generation_prompt=True)``, i.e. its content and end-of-turn
+    marker, not the role header. This needs a template whose rendering of a prefix of the
+    conversation is a prefix of the rendering of the whole; for one that is not (Qwen3
+    drops the think blocks of earlier turns), only the last assistant turn is trained and
+    what follows it is dropped.
+
+    Without a template (the byte-level tokenizer): ``"{role}: {content}\\n"`` per message,
+    with the content and newline of assistant messages trained.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        segs = []
+        for m in messages:
+            segs.append((f"{m['role']}: ", False))
+            segs.append((m["content"] + "\n", m["role"] == "assistant"))
+        return segs
+
+    def render(msgs: list[dict], generation_prompt: bool = False) -> str:
+        if not msgs:
+            return ""
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    segs, done = [], ""
+    for i in assistant:
+        head, full = render(messages[:i], True), render(messages[: i + 1])
+        if not (head.startswith(done) and full.startswith(head)):
+            break
+        segs += [(head[len(done):], False), (full[len(head):], True)]
+        done = full
+    else:
+        rest = render(messages)[len(done):]
+        return segs + [(rest, False)] if rest else segs
+    last = assistant[-1]
+    head, full = render(messages[:last], True), render(messages[: last + 1])
+    if not full.startswith(head):
+        raise ValueError("the tokenizer's chat template does not render the assistant turn after its prompt")
+    return [(head, False), (full[len(head):], True)]
+
+
+def _tokenize_preference(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> dict:
+    """Prompt (masked) + chosen / rejected (trained) + EOS, as two token sequences per pair."""
+    bos, eos = _bos(tokenizer, add_bos), [tokenizer.eos_token_id]
+    prompts = _encode(tokenizer, batch["prompt"])
+    out: dict = {k: [] for k in PREFERENCE_FEATURES}
+    for side in ("chosen", "rejected"):
+        for p, r in zip(prompts, _encode(tokenizer, batch[side])):
+            out[f"{side}_input_ids"].append(bos + p + r + eos)
+            out[f"{side}_labels"].append([IGNORE_INDEX] * (len(bos) + len(p)) + r + eos)
+    out["length"] = [len(c) + len(r) for c, r in zip(out["chosen_input_ids"], out["rejected_input_ids"])]
+    return out
+
+
+def tokenize_dataset(ds: datasets.Dataset, fmt: str, tokenizer: PreTrainedTokenizerBase, add_bos: bool = True,
+                     num_proc: int = 1, desc: Optional[str] = None) -> datasets.Dataset:
+    """Validated records -> ``input_ids`` / ``labels`` / ``length`` (preference: per side).
+
+    File-backed datasets (``cache_dir`` set) have the result cached next to them by
+    ``datasets`` under a fingerprint of the records, the tokenizer and this function.
+    """
+    fn = {"generated": _tokenize_pretrain, "pretrain": _tokenize_pretrain, "sft": _tokenize_sft,
+          "preference": _tokenize_preference}[fmt]
+    features = PREFERENCE_FEATURES if fmt == "preference" else TOKEN_FEATURES
+    return ds.map(fn, batched=True, batch_size=256, fn_kwargs={"tokenizer": tokenizer, "add_bos": add_bos},
+                  remove_columns=ds.column_names, features=features,
+                  num_proc=num_proc if num_proc > 1 else None, desc=desc or "tokenizing")

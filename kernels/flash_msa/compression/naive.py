@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from flash_msa.selection.naive import _acc_dtype, masked_softmax_av
+from flash_msa.selection.naive import _acc_dtype, masked_softmax_av, run_chunk
 from flash_msa.utils.varlen import compressed_cu_seqlens, token_seq_bounds
 
 
@@ -92,14 +92,14 @@ def compressed_attention_chunked(
         chunk = max(1, min(T, (1 << 24) // max(1, HQ * max(Tc, 1))))
     _, row0, n_vis = _visible(cu_seqlens, cu_cmp, T, Tc, block, stride, q.device)
     vf = v_cmp.to(acc).transpose(0, 1)  # [HK, Tc, D]
-    outs, lses = [], []
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
+
+    def one_chunk(c0: int, c1: int, q, k_cmp, vf):
         s, mask = _compressed_scores(q[c0:c1], k_cmp, row0[c0:c1], n_vis[c0:c1], scale, acc)
         o = masked_softmax_av(s, mask, vf[None])  # [C, HK, G, D]
         lse = torch.logsumexp(s.masked_fill(~mask, float("-inf")), -1)  # [C, HK, G]
-        outs.append(o.reshape(c1 - c0, HQ, D))
-        lses.append(lse.reshape(c1 - c0, HQ))
+        return o.reshape(c1 - c0, HQ, D), lse.reshape(c1 - c0, HQ)
+
+    outs, lses = zip(*[run_chunk(one_chunk, c0, min(T, c0 + chunk), q, k_cmp, vf) for c0 in range(0, T, chunk)])
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
 
 

@@ -13,12 +13,24 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from flash_msa.utils.varlen import token_seq_bounds
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def run_chunk(fn, *args):
+    """fn(*args), recomputed in backward when autograd is recording.
+
+    The chunked references would otherwise save every chunk's gathered keys and scores for
+    backward (O(T * n * l' * D)); checkpointing keeps only the chunk inputs and outputs.
+    """
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 def masked_softmax_av(s: torch.Tensor, mask: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -76,8 +88,8 @@ def selected_attention_chunked(
 ) -> torch.Tensor:
     """Gather form: each chunk of queries gathers the keys of its selected blocks.
 
-    Memory is O(chunk * HQ * S * block_size) at a time, O(T * HQ * S * block_size) saved for
-    backward: never O(T^2). Same arguments as :func:`selected_attention_naive`.
+    Memory is O(chunk * HQ * S * block_size) at a time; backward recomputes each chunk, so
+    only O(T * HQ * D) is saved: never O(T^2). Same arguments as :func:`selected_attention_naive`.
     """
     T, HQ, D = q.shape
     HK, S = k.shape[1], block_indices.shape[-1]
@@ -87,9 +99,9 @@ def selected_attention_chunked(
         chunk = max(1, min(T, (1 << 24) // max(1, HK * S * block_size * D)))
     start_all, _ = token_seq_bounds(cu_seqlens, T)
     offs = torch.arange(block_size, device=q.device)
-    outs = []
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
+    heads = torch.arange(HK, device=q.device)[None, :, None]
+
+    def one_chunk(c0: int, c1: int, q, k, v):
         t = torch.arange(c0, c1, device=q.device)
         start = start_all[c0:c1]
         idx = block_indices[c0:c1].to(torch.int64)  # [C, HK, S]
@@ -98,11 +110,12 @@ def selected_attention_chunked(
         kpos = start[:, None, None, None] + idx[..., None] * block_size + offs
         mask = valid[..., None] & (kpos <= t[:, None, None, None])
         kpos = torch.where(mask, kpos, torch.zeros_like(kpos)).flatten(2)  # [C, HK, S*bs]
-        heads = torch.arange(HK, device=q.device)[None, :, None]
         kg = k[kpos, heads].to(acc)  # [C, HK, S*bs, D]
         vg = v[kpos, heads].to(acc)
         qc = q[c0:c1].to(acc).view(c1 - c0, HK, G, D)
         s = scale * qc @ kg.transpose(-1, -2)  # [C, HK, G, S*bs]
         o = masked_softmax_av(s, mask.flatten(2)[:, :, None, :], vg)  # [C, HK, G, D]
-        outs.append(o.reshape(c1 - c0, HQ, D))
+        return o.reshape(c1 - c0, HQ, D)
+
+    outs = [run_chunk(one_chunk, c0, min(T, c0 + chunk), q, k, v) for c0 in range(0, T, chunk)]
     return torch.cat(outs).to(q.dtype)

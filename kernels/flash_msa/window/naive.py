@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from flash_msa.selection.naive import _acc_dtype, masked_softmax_av
+from flash_msa.selection.naive import _acc_dtype, masked_softmax_av, run_chunk
 from flash_msa.utils.varlen import token_seq_bounds
 
 
@@ -34,11 +34,10 @@ def window_attention_chunked(q, k, v, cu_seqlens, window: int, scale: float, chu
     G = HQ // HK
     acc = _acc_dtype(q)
     if chunk is None:
-        chunk = max(64, min(T, 4096))
+        chunk = max(64, min(T, 1024))
     start, _ = token_seq_bounds(cu_seqlens, T)
-    outs = []
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
+
+    def one_chunk(c0: int, c1: int, q, k, v):
         k0 = max(0, c0 - window + 1)
         t = torch.arange(c0, c1, device=q.device)[:, None]
         s_pos = torch.arange(k0, c1, device=q.device)[None, :]
@@ -47,5 +46,7 @@ def window_attention_chunked(q, k, v, cu_seqlens, window: int, scale: float, chu
         kc = k[k0:c1].to(acc).permute(1, 0, 2)[:, None]  # [HK, 1, K, D]
         vc = v[k0:c1].to(acc).permute(1, 0, 2)[:, None]
         o = masked_softmax_av(scale * qc @ kc.transpose(-1, -2), mask, vc)  # [HK, G, C, D]
-        outs.append(o.permute(2, 0, 1, 3).reshape(c1 - c0, HQ, D))
+        return o.permute(2, 0, 1, 3).reshape(c1 - c0, HQ, D)
+
+    outs = [run_chunk(one_chunk, c0, min(T, c0 + chunk), q, k, v) for c0 in range(0, T, chunk)]
     return torch.cat(outs).to(q.dtype)

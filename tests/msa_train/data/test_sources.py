@@ -1,0 +1,155 @@
+"""Loading local files, and the reporting of malformed records."""
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from msa_train.data import DataConfig, DataValidationError, build_packed_dataset
+from msa_train.data.sources import load_records
+
+DOCS = ["first document " * 5, "second one, a bit longer " * 7, "third"]
+
+
+def _texts(ds, tok):
+    """The documents of a packed dataset, decoded (BOS/EOS stripped), sorted."""
+    out = []
+    for i in range(len(ds)):
+        item = ds[i]
+        cu = item["cu_seqlens"].tolist()
+        for s, e in zip(cu[:-1], cu[1:]):
+            ids = item["input_ids"][s:e].tolist()
+            if ids[0] == tok.bos_token_id:
+                out.append(tok.decode(ids[1:-1]))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json-array", "json-lines", "parquet", "directory"])
+def test_pretrain_files_load(kind, tmp_path, tok, write_jsonl):
+    rows = [{"text": d, "id": i} for i, d in enumerate(DOCS)]
+    if kind == "jsonl":
+        path = write_jsonl("a.jsonl", rows)
+    elif kind == "json-array":
+        path = tmp_path / "a.json"
+        path.write_text(json.dumps(rows))
+    elif kind == "json-lines":
+        path = write_jsonl("a.json", rows)
+    elif kind == "parquet":
+        path = tmp_path / "a.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        write_jsonl("dir/sub/a.jsonl", rows[:1])
+        pq.write_table(pa.Table.from_pylist(rows[1:]), tmp_path / "dir" / "b.parquet")
+        path = tmp_path / "dir"
+    ds = build_packed_dataset(DataConfig(format="pretrain", path=str(path)), tok, 256)
+    assert _texts(ds, tok) == sorted(DOCS)
+    assert ds.report.total == 3 and ds.report.num_bad == 0
+
+
+@pytest.mark.parametrize("sample_by, expected", [
+    ("document", ["alpha beta\ngamma\n\ndelta\n"]),
+    ("paragraph", ["alpha beta\ngamma", "delta\n"]),
+    ("line", ["alpha beta", "gamma", "delta"]),
+])
+def test_txt_files_load(sample_by, expected, tmp_path, tok):
+    (tmp_path / "a.txt").write_text("alpha beta\ngamma\n\ndelta\n")
+    ds = build_packed_dataset(DataConfig(format="pretrain", path=str(tmp_path / "a.txt"), text_sample_by=sample_by),
+                              tok, 64)
+    assert _texts(ds, tok) == sorted(expected)
+
+
+def test_text_field_and_file_type_override(tmp_path, tok):
+    path = tmp_path / "data.dump"
+    path.write_text(json.dumps({"body": "hello"}) + "\n")
+    ds = build_packed_dataset(DataConfig(format="pretrain", path=str(path), file_type="jsonl", text_field="body"),
+                              tok, 32)
+    assert _texts(ds, tok) == ["hello"]
+
+
+def test_cache_dir_reuses_and_notices_edits(tmp_path, tok, write_jsonl):
+    path = write_jsonl("a.jsonl", [{"text": "one"}, {"text": "two"}])
+    cfg = DataConfig(format="pretrain", path=path, cache_dir=str(tmp_path / "cache"))
+    assert _texts(build_packed_dataset(cfg, tok, 32), tok) == ["one", "two"]
+    assert any((tmp_path / "cache").rglob("*.arrow"))
+    write_jsonl("a.jsonl", [{"text": "one"}, {"text": "two"}, "{broken"])
+    with pytest.raises(DataValidationError, match="a.jsonl:3: invalid JSON"):
+        build_packed_dataset(cfg, tok, 32)
+
+
+BAD_ROWS = [
+    {"text": "good 1"},
+    "{not json",
+    {"text": ""},
+    {"txt": "wrong field"},
+    {"text": 42},
+    ["a", "list"],
+    {"text": "good 2"},
+    {"text": "good 3"},
+]
+BAD_REASONS = [":2: invalid JSON", ":3: field 'text' is empty", ":4: missing field 'text' (record has: txt)",
+               ":5: field 'text' must be a string, got int", ":6: expected a JSON object, got list"]
+
+
+def test_malformed_records_fail_above_threshold_with_file_and_line(tok, write_jsonl):
+    path = write_jsonl("bad.jsonl", BAD_ROWS)
+    with pytest.raises(DataValidationError) as e:
+        build_packed_dataset(DataConfig(format="pretrain", path=path, max_bad_fraction=0.5), tok, 64)
+    msg = str(e.value)
+    assert "5 of 8 records (62.50%) are malformed" in msg and "data.max_bad_fraction=0.5" in msg
+    for reason in BAD_REASONS:
+        assert f"{path}{reason}" in msg, (reason, msg)
+
+
+def test_malformed_records_below_threshold_are_reported_and_skipped(tok, write_jsonl, caplog):
+    path = write_jsonl("bad.jsonl", BAD_ROWS)
+    with caplog.at_level(logging.WARNING, logger="msa_train.data"):
+        ds = build_packed_dataset(DataConfig(format="pretrain", path=path, max_bad_fraction=0.7), tok, 64)
+    assert _texts(ds, tok) == ["good 1", "good 2", "good 3"]
+    assert ds.report.num_bad == 5 and ds.report.total == 8
+    assert [x.split(": ", 1)[0] for x in ds.report.examples] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6)]
+    assert "5 of 8 records" in caplog.text and f"{path}:2: invalid JSON" in caplog.text
+
+
+def test_default_threshold_fails_on_one_bad_record(tok, write_jsonl):
+    path = write_jsonl("a.jsonl", [{"text": "fine"}] * 99 + ['{"text": null}'])
+    with pytest.raises(DataValidationError, match=r"a.jsonl:100: field 'text' must be a string, got null"):
+        build_packed_dataset(DataConfig(format="pretrain", path=path), tok, 64)
+
+
+def test_parquet_null_values_are_reported_with_row(tmp_path, tok):
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.Table.from_pylist([{"text": "ok"}, {"text": None}]), path)
+    with pytest.raises(DataValidationError, match=r"a.parquet:row 1: field 'text' must be a string, got null"):
+        load_records(DataConfig(format="pretrain", path=str(path)))
+
+
+@pytest.mark.parametrize("path_kind, match", [
+    ("missing", "does not exist"),
+    ("unknown-ext", "set data.file_type"),
+    ("empty-dir", "holds no"),
+    ("txt-for-sft", "needs structured records"),
+])
+def test_path_errors(path_kind, match, tmp_path, tok):
+    fmt = "sft" if path_kind == "txt-for-sft" else "pretrain"
+    path = {"missing": tmp_path / "nope.jsonl", "unknown-ext": tmp_path / "a.csv", "empty-dir": tmp_path / "d",
+            "txt-for-sft": tmp_path / "a.txt"}[path_kind]
+    if path_kind == "empty-dir":
+        path.mkdir()
+    elif path_kind != "missing":
+        path.write_text("x")
+    with pytest.raises(ValueError, match=match):
+        build_packed_dataset(DataConfig(format=fmt, path=str(path)), tok, 64)
+
+
+def test_empty_file_is_an_error(tok, write_jsonl):
+    with pytest.raises(DataValidationError, match="no records"):
+        build_packed_dataset(DataConfig(format="pretrain", path=write_jsonl("e.jsonl", [])), tok, 64)
+
+
+def test_num_proc_2_matches_num_proc_1(tok, write_jsonl):
+    path = write_jsonl("a.jsonl", [{"text": f"document number {i} " * (i + 1)} for i in range(40)])
+    a = build_packed_dataset(DataConfig(format="pretrain", path=path), tok, 128)
+    b = build_packed_dataset(DataConfig(format="pretrain", path=path, num_proc=2), tok, 128)
+    assert len(a) == len(b) and all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) for i in range(len(a)))

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from .config import DataConfig
 from .generated import generate_corpus
 from .packing import PackedDataset, PreferencePairDataset, plan_packing
-from .sources import load_records
+from .sources import column, load_records
 from .tokenization import tokenize_dataset
 from .tokenizer import pad_token_id
 
@@ -50,7 +50,7 @@ def build_packed_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
             logger.warning("data: %d of %d preference pairs are longer than seq_len=%d and were cut from the right",
                            ds.num_truncated, len(ds), seq_len)
     else:
-        lengths = tokens.with_format("numpy")["length"]
+        lengths = column(tokens, "length", numpy=True)
         ds = PackedDataset(tokens, plan_packing(lengths, seq_len, cfg.seed), seq_len, pad_id)
         logger.info("data: %d documents, %d tokens -> %d sequences of %d tokens (%.1f%% padding)",
                     len(tokens), ds.num_tokens, len(ds), seq_len, 100 * ds.padding_fraction)

@@ -26,6 +26,7 @@ import datasets
 import numpy as np
 import torch
 
+from .sources import column
 from .tokenization import IGNORE_INDEX
 
 
@@ -166,7 +167,7 @@ class PreferencePairDataset(torch.utils.data.Dataset):
     def __init__(self, tokens: datasets.Dataset, seq_len: int, pad_id: int):
         self.tokens = tokens.with_format("numpy", columns=[c for c in tokens.column_names if c != "length"])
         self.seq_len, self.pad_id = seq_len, pad_id
-        lengths = tokens.with_format("numpy")["length"]
+        lengths = column(tokens, "length", numpy=True)
         self.num_truncated = int((lengths > seq_len).sum())
         self.report = None
 

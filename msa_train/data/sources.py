@@ -319,17 +319,23 @@ def load_records(cfg: DataConfig) -> tuple[datasets.Dataset, RecordReport]:
         rows = list(_validated_records(**gen_kwargs))
         ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in features}, features=features)
 
-    errors = ds[ERROR_COL]
+    errors = column(ds, ERROR_COL)
     bad = [i for i, e in enumerate(errors) if e]
     report = RecordReport(total=len(ds), num_bad=len(bad))
     if bad:
-        sources = ds.select(bad[:RecordReport.MAX_EXAMPLES])[SOURCE_COL]
+        sources = column(ds.select(bad[:RecordReport.MAX_EXAMPLES]), SOURCE_COL)
         report.examples = [f"{s}: {errors[i]}" for s, i in zip(sources, bad)]
     check_report(report, cfg.max_bad_fraction)
     if bad:
         bad_set = set(bad)
         ds = ds.select([i for i in range(len(ds)) if i not in bad_set])
     return ds, report
+
+
+def column(ds: datasets.Dataset, name: str, numpy: bool = False) -> Any:
+    """One whole column as a list (or numpy array). ``ds[name]`` is a lazy Column in datasets >= 4."""
+    sub = ds.select_columns([name])
+    return (sub.with_format("numpy") if numpy else sub)[:][name]
 
 
 def _validation_fields(cfg: DataConfig) -> dict:

@@ -74,9 +74,10 @@ def _pretrain_dataset(tok, texts, T, seed=0):
     import datasets
 
     from msa_train.data.packing import PackedDataset
+    from msa_train.data.sources import column
     from msa_train.data.tokenization import tokenize_dataset
     tokens = tokenize_dataset(datasets.Dataset.from_dict({"text": texts}), "pretrain", tok)
-    return PackedDataset(tokens, plan_packing(tokens.with_format("numpy")["length"], T, seed), T, tok.pad_token_id)
+    return PackedDataset(tokens, plan_packing(column(tokens, "length", numpy=True), T, seed), T, tok.pad_token_id)
 
 
 @pytest.mark.parametrize("n_chars, T", [(250, 100), (298, 100), (299, 100), (1000, 63)],

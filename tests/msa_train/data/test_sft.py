@@ -1,0 +1,110 @@
+"""SFT masking (prompt/response, chat) and preference pairs."""
+import pytest
+import torch
+
+from msa_train.data import IGNORE_INDEX, DataConfig, DataValidationError, build_packed_dataset
+
+# A minimal prefix-stable template, enough to exercise the chat-template path with the byte tokenizer.
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _segments(item):
+    cu = item["cu_seqlens"].tolist()
+    return [(item["input_ids"][s:e], item["labels"][s:e]) for s, e in zip(cu[:-1], cu[1:])]
+
+
+def _trained_text(tok, labels):
+    """The trained tokens, decoded; masked runs become '|'."""
+    out, prev = [], False
+    for x in labels.tolist():
+        if x != IGNORE_INDEX:
+            out.append(tok.decode([x]))
+        elif prev:
+            out.append("|")
+        prev = x != IGNORE_INDEX
+    return "".join(out).strip("|")
+
+
+def _one_doc(ds, tok, prompt_start=None):
+    item = ds[0]
+    segs = [s for s in _segments(item) if s[0][0] == tok.bos_token_id]
+    assert len(segs) == 1
+    return segs[0]
+
+
+def test_prompt_tokens_masked_response_trained(tok, write_jsonl):
+    path = write_jsonl("sft.jsonl", [{"prompt": "Question? ", "response": "Answer."}])
+    ids, labels = _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), tok, 64), tok)
+    n_prompt = 1 + len("Question? ")  # BOS + prompt
+    assert (labels[:n_prompt] == IGNORE_INDEX).all()
+    assert labels[n_prompt:].tolist() == ids[n_prompt:].tolist()
+    assert tok.decode(ids[n_prompt:]) == "Answer." + tok.eos_token  # the response ends with a trained EOS
+
+
+def test_custom_sft_fields(tok, write_jsonl):
+    path = write_jsonl("sft.jsonl", [{"q": "Q", "a": "A"}])
+    ds = build_packed_dataset(DataConfig(format="sft", path=path, prompt_field="q", response_field="a"), tok, 16)
+    ids, labels = _one_doc(ds, tok)
+    assert _trained_text(tok, labels) == "A" + tok.eos_token
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Ciao"}]
+
+
+def test_chat_only_assistant_turns_trained_builtin_format(tok, write_jsonl):
+    path = write_jsonl("chat.jsonl", [{"messages": CHAT}])
+    ids, labels = _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), tok, 128), tok)
+    assert tok.decode(ids[1:]) == ("system: Be brief.\nuser: Hi\nassistant: Hello\nuser: Bye\nassistant: Ciao\n"
+                                   + tok.eos_token)
+    assert _trained_text(tok, labels) == "Hello\n|Ciao\n" + tok.eos_token
+
+
+def test_chat_only_assistant_turns_trained_with_template(tok, write_jsonl):
+    chat_tok = tok.__class__(tokenizer_object=tok.backend_tokenizer, bos_token=tok.bos_token,
+                             eos_token=tok.eos_token, pad_token=tok.pad_token)
+    chat_tok.chat_template = TEMPLATE
+    path = write_jsonl("chat.jsonl", [{"messages": CHAT}])
+    ids, labels = _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), chat_tok, 128), chat_tok)
+    assert tok.decode(ids[1:]).startswith("<system>Be brief.</s><user>Hi</s><assistant>Hello</s>")
+    # Role headers are masked; content and end-of-turn marker of assistant turns are trained.
+    assert _trained_text(tok, labels) == "Hello</s>|Ciao</s>" + tok.eos_token
+
+
+@pytest.mark.parametrize("messages, reason", [
+    ("not a list", "field 'messages' must be a non-empty list"),
+    ([], "field 'messages' must be a non-empty list"),
+    (["hi"], "messages[0] must be an object"),
+    ([{"role": "bot", "content": "x"}], "messages[0].role must be one of"),
+    ([{"role": "user", "content": 3}], "messages[0].content must be a string, got int"),
+    ([{"role": "user", "content": "only a question"}], "field 'messages' has no non-empty assistant message"),
+], ids=["string", "empty", "item-not-object", "bad-role", "content-int", "no-assistant"])
+def test_malformed_chat_records(messages, reason, tok, write_jsonl):
+    path = write_jsonl("chat.jsonl", [{"messages": CHAT}, {"messages": messages}])
+    with pytest.raises(DataValidationError) as e:
+        build_packed_dataset(DataConfig(format="sft", path=path), tok, 128)
+    assert f"chat.jsonl:2: {reason}" in str(e.value)
+
+
+def test_sft_missing_fields_reason(tok, write_jsonl):
+    path = write_jsonl("sft.jsonl", [{"question": "q"}, {"prompt": "p"}])
+    with pytest.raises(DataValidationError) as e:
+        build_packed_dataset(DataConfig(format="sft", path=path), tok, 64)
+    assert "sft.jsonl:1: missing fields: either 'messages' (chat) or 'prompt' and 'response'" in str(e.value)
+    assert "sft.jsonl:2: missing field 'response'" in str(e.value)
+
+
+def test_preference_pairs(tok, write_jsonl):
+    rows = [{"prompt": "P:", "chosen": "good", "rejected": "bad"},
+            {"prompt": "Q:", "chosen": "x" * 50, "rejected": "y" * 50}]
+    ds = build_packed_dataset(DataConfig(format="preference", path=write_jsonl("p.jsonl", rows)), tok, 64)
+    assert len(ds) == 2 and ds.num_truncated == 1
+    (c_ids, c_lab), (r_ids, r_lab), *pad = _segments(ds[0])
+    assert tok.decode(c_ids) == tok.bos_token + "P:good" + tok.eos_token
+    assert tok.decode(r_ids) == tok.bos_token + "P:bad" + tok.eos_token
+    assert _trained_text(tok, c_lab) == "good" + tok.eos_token and _trained_text(tok, r_lab) == "bad" + tok.eos_token
+    long = ds[1]
+    assert long["cu_seqlens"].tolist() == [0, 32, 64]  # cut to T // 2 per side
+    assert (long["position_ids"][32:] == torch.arange(32)).all()

@@ -153,6 +153,23 @@ def bench_shape(T, G, D, S, bs, device, warmup, rep, skip_bwd_over):
     return row
 
 
+def profile(T, G, D, S, bs, device):
+    """Kernel time table of one fwd+bwd of each impl (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    HK = 4 if G == 16 else 8
+    q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
+    cu = default_cu_seqlens(1, T, device)
+    for name in IMPL_NAMES:
+        for _ in range(2):
+            run_impl(name, q, k, v, bi, bs, cu, do)
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_impl(name, q, k, v, bi, bs, cu, do)
+            torch.cuda.synchronize()
+        print(f"== {name} T={T} G={G} fwd+bwd", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
+
+
 def fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
@@ -220,6 +237,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rep", type=int, default=40)
     ap.add_argument("--skip-bwd-over", type=int, default=1 << 30, help="time only the forward above this T")
+    ap.add_argument("--profile", default="", help="T,G: print a torch.profiler kernel table of fmsa and nsa fwd+bwd, then exit")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; stop starting new shapes after it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -232,6 +250,9 @@ def main():
     D, S, bs = args.D, args.S, args.block_size
     dev = torch.cuda.get_device_name()
     print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    if args.profile:
+        profile(*[int(x) for x in args.profile.split(",")], D, S, bs, device)
+        return
     checks = {}
     for G in Gs:
         HK = 4 if G == 16 else 8

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_msa.utils.csr import SelectionCSR, build_selection_csr, prepare_block_meta, tile_schedule
+from flash_msa.utils.csr import (
+    SelectionCSR, build_selection_csr, multi_segment_slots, prepare_block_meta, tile_schedule)
 from flash_msa.utils.varlen import flatten_batch
 
 LOG2E = 1.4426950408889634
@@ -39,6 +40,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 640 MiB up to T = 64K, then 10 KiB per token, so extra memory stays linear in T.
 PARTIAL_BUDGET = 640 << 20
 PARTIAL_BUDGET_PER_TOKEN = 10 << 10
+# Backward segments: tiles of BM rows per program (longer keys are split, then reduced).
+SEG_TILES = 16
 
 
 @triton.jit
@@ -118,19 +121,25 @@ def fmsa_merge_kernel(
 
 @triton.jit
 def fmsa_bwd_dkdv_kernel(
-    q, k, v, do, lse, delta, dk, dv, dqp, entry_ids, key_offsets, block_start, block_end,
-    i_c, c0_entry, NB, NBC, scale2, scale,
+    q, k, v, do, lse, delta, dk, dv, dkp, dvp, dqp, entry_ids, key_offsets,
+    seg_key, seg_first, chunk_segs, slot_first, block_start, block_end,
+    i_c, c0_entry, NB, scale2, scale,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr, WRITE_DQ: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, SEG: tl.constexpr, WRITE_DQ: tl.constexpr,
 ):
-    i_p = tl.program_id(0)
-    i_hk = i_p // NBC
-    i_b = i_p % NBC
-    i_key = (i_c * HK + i_hk) * NB + i_b
+    # one program per segment of at most SEG rows of one key, so that a block selected by
+    # every query (block 0) is spread over many programs instead of serialising the launch
+    i_seg = tl.load(chunk_segs + i_c) + tl.program_id(0)
+    if i_seg >= tl.load(chunk_segs + i_c + 1):
+        return
+    i_key = tl.load(seg_key + i_seg)
+    i_hk = (i_key // NB) % HK
+    i_b = i_key % NB
     i_e0 = tl.load(key_offsets + i_key)
     n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
-    if n_rows == 0:
-        return
+    i_j = i_seg - tl.load(seg_first + i_key)  # segment index within the key
+    r_begin = i_j * SEG
+    r_end = tl.minimum(n_rows, r_begin + SEG)
     o_d = tl.arange(0, D)
     o_k = tl.load(block_start + i_b).to(tl.int64) + tl.arange(0, BS)  # [BS]
     m_k = o_k < tl.load(block_end + i_b)
@@ -139,9 +148,9 @@ def fmsa_bwd_dkdv_kernel(
     b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
     b_dk = tl.zeros([BS, D], dtype=tl.float32)
     b_dv = tl.zeros([BS, D], dtype=tl.float32)
-    for i_r in range(0, n_rows, BM):
+    for i_r in range(r_begin, r_end, BM):
         o_r = i_r + tl.arange(0, BM)
-        m_r = o_r < n_rows
+        m_r = o_r < r_end
         b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0).to(tl.int64)
         b_t = b_e // (HK * S)
         b_g = o_r % G
@@ -160,10 +169,45 @@ def fmsa_bwd_dkdv_kernel(
         if WRITE_DQ:
             b_dq = tl.dot(b_ds, b_k) * scale  # [BM, D]
             o_p = (b_e - c0_entry) * G + b_g
-            tl.store(dqp + o_p[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None])
-    # this program alone owns these rows of dk/dv: chunks add to them in launch order
-    b_dk = tl.load(dk + p_kv, mask=m_k[:, None], other=0.) + b_dk * scale
-    b_dv += tl.load(dv + p_kv, mask=m_k[:, None], other=0.)
+            tl.store(dqp + o_p[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty), mask=m_r[:, None])
+    b_dk = b_dk * scale
+    if n_rows <= SEG:
+        # the only program of this key in this chunk: add to the fp32 accumulators in chunk order
+        b_dk += tl.load(dk + p_kv, mask=m_k[:, None], other=0.)
+        b_dv += tl.load(dv + p_kv, mask=m_k[:, None], other=0.)
+        tl.store(dk + p_kv, b_dk, mask=m_k[:, None])
+        tl.store(dv + p_kv, b_dv, mask=m_k[:, None])
+    else:
+        # one slot per segment; fmsa_bwd_dkdv_reduce_kernel sums them in segment order
+        i_slot = (tl.load(slot_first + i_key) - tl.load(slot_first + (i_c * HK) * NB) + i_j).to(tl.int64)
+        o_s = i_slot * BS * D + tl.arange(0, BS)[:, None] * D + o_d[None, :]
+        tl.store(dkp + o_s, b_dk)
+        tl.store(dvp + o_s, b_dv)
+
+
+@triton.jit
+def fmsa_bwd_dkdv_reduce_kernel(
+    dk, dv, dkp, dvp, key_offsets, slot_first, block_start, block_end, i_c, NB, NBC,
+    HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SEG: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    i_hk = i_p // NBC
+    i_b = i_p % NBC
+    i_key = (i_c * HK + i_hk) * NB + i_b
+    n_rows = (tl.load(key_offsets + i_key + 1) - tl.load(key_offsets + i_key)) * G
+    if n_rows <= SEG:
+        return
+    i_slot0 = (tl.load(slot_first + i_key) - tl.load(slot_first + (i_c * HK) * NB)).to(tl.int64)
+    o_d = tl.arange(0, D)
+    o_k = tl.load(block_start + i_b).to(tl.int64) + tl.arange(0, BS)
+    m_k = o_k < tl.load(block_end + i_b)
+    p_kv = (o_k * HK + i_hk)[:, None] * D + o_d[None, :]
+    o_s = tl.arange(0, BS)[:, None] * D + o_d[None, :]
+    b_dk = tl.load(dk + p_kv, mask=m_k[:, None], other=0.)
+    b_dv = tl.load(dv + p_kv, mask=m_k[:, None], other=0.)
+    for i_j in range(0, tl.cdiv(n_rows, SEG)):
+        b_dk += tl.load(dkp + (i_slot0 + i_j) * BS * D + o_s)
+        b_dv += tl.load(dvp + (i_slot0 + i_j) * BS * D + o_s)
     tl.store(dk + p_kv, b_dk, mask=m_k[:, None])
     tl.store(dv + p_kv, b_dv, mask=m_k[:, None])
 
@@ -213,7 +257,7 @@ def chunk_blocks(csr: SelectionCSR, i_c: int) -> int:
 
 def default_chunk_size(T: int, HQ: int, S: int, D: int) -> int:
     """Query tokens per chunk: the largest power of two whose partial buffers fit PARTIAL_BUDGET."""
-    per_token = HQ * S * (4 * D + 4)  # the larger one: fp32 dq partials (bwd) >= o + lse (fwd)
+    per_token = HQ * S * (4 * D + 4)  # fp32 inputs: fp32 partials; the forward's o + lse is the larger
     budget = max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)
     chunk = 1 << max(6, (budget // per_token).bit_length() - 1)
     return min(chunk, triton.next_power_of_2(T))
@@ -254,22 +298,34 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
     HK, S = k.shape[1], csr.S
     G = HQ // HK
     meta, Tc = csr.meta, csr.chunk_size
+    BS = meta.block_size
+    BM = _bwd_tile_rows(D, BS)
+    SEG = SEG_TILES * BM
+    seg_key, seg_first, chunk_segs = tile_schedule(csr, G, SEG)
+    slot_first = multi_segment_slots(csr, G, SEG)
+    n_slots = 2 * min(Tc, T) * HK * S * G // SEG + 1  # a key of n > SEG rows has < 2n / SEG segments
+    dkp = torch.empty(n_slots, BS, D, device=k.device, dtype=torch.float32)
+    dvp = torch.empty_like(dkp)
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     write_dq = dq_partial is not None
-    for i_c in range(csr.num_chunks):
+    for i_c in range(csr.num_chunks):  # chunks of query tokens bound the dq partial buffer
         c0 = i_c * Tc
         nbc = chunk_blocks(csr, i_c)
-        fmsa_bwd_dkdv_kernel[(HK * nbc,)](
-            q, k, v, do, lse, delta, dk, dv, dq_partial if write_dq else dk,
-            csr.entry_ids, csr.key_offsets, meta.block_start, meta.block_end,
-            i_c, c0 * HK * S, meta.num_blocks, nbc, scale * LOG2E, scale,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=_bwd_tile_rows(D, meta.block_size),
-            WRITE_DQ=write_dq)
+        entries = min(Tc, T - c0) * HK * S
+        segs = (entries * G + SEG - 1) // SEG + min(entries, HK * nbc)
+        fmsa_bwd_dkdv_kernel[(segs,)](
+            q, k, v, do, lse, delta, dk, dv, dkp, dvp, dq_partial if write_dq else dk,
+            csr.entry_ids, csr.key_offsets, seg_key, seg_first, chunk_segs, slot_first,
+            meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E, scale,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq)
+        fmsa_bwd_dkdv_reduce_kernel[(HK * nbc,)](
+            dk, dv, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
+            i_c, meta.num_blocks, nbc, HK=HK, G=G, D=D, BS=BS, SEG=SEG)
         if write_dq:
             fmsa_bwd_dq_kernel[(min(Tc, T - c0), HK)](
                 dq_partial, dq, block_indices, meta.tok_start, c0, T,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_group_rows(G))
+                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_group_rows(G))
     return dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -295,7 +351,8 @@ class FMSASelectedAttentionFunction(torch.autograd.Function):
         do = do.contiguous()
         delta = (o.float() * do.float()).sum(-1)  # [T, HQ]
         dq = torch.empty_like(q)
-        dq_partial = torch.empty(min(csr.chunk_size, T) * HQ * csr.S, D, device=q.device, dtype=torch.float32)
+        # bf16/fp16 partials for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
+        dq_partial = torch.empty(min(csr.chunk_size, T) * HQ * csr.S, D, device=q.device, dtype=q.dtype)
         dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, block_indices, dq)
         return dq, dk, dv, None, None, None, None, None
 

@@ -141,3 +141,14 @@ def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, tor
     tile_key = torch.searchsorted(
         incl, torch.arange(bound, device=incl.device), right=True, out_int32=True)
     return tile_key, first.to(torch.int32), chunk_tiles.to(torch.int32)
+
+
+def multi_segment_slots(csr: SelectionCSR, G: int, R: int) -> torch.Tensor:
+    """int32 [num_keys]: first buffer slot of each key split into more than one segment of R rows.
+
+    Keys of at most R rows get no slot. Slots of chunk c start at ``out[c * HK * num_blocks]``.
+    """
+    counts = (csr.key_offsets[1:] - csr.key_offsets[:-1]).to(torch.int64) * G
+    nseg = (counts + R - 1) // R
+    multi = torch.where(nseg > 1, nseg, torch.zeros_like(nseg))
+    return (multi.cumsum(0) - multi).to(torch.int32)

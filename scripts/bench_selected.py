@@ -170,6 +170,49 @@ def profile(T, G, D, S, bs, device):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
 
 
+def variants(T, G, D, S, bs, device):
+    """fmsa forward and forward+backward under launch-setting variants (module globals of fmsa)."""
+    from flash_msa.selection import fmsa
+    HK = 4 if G == 16 else 8
+    q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
+    cu = default_cu_seqlens(1, T, device)
+    base = {n: getattr(fmsa, n) for n in ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "BWD_BM", "BWD_WARPS", "BWD_STAGES",
+                                          "SEG_TILES", "PARTIAL_BUDGET")}
+    fwd_variants = [{}, {"FWD_WARPS": 8}, {"FWD_BM": 128, "FWD_WARPS": 8}, {"FWD_BM": 32},
+                    {"FWD_STAGES": 2}, {"PARTIAL_BUDGET": 320 << 20}, {"PARTIAL_BUDGET": 1280 << 20}]
+    bwd_variants = [{}, {"BWD_WARPS": 8}, {"BWD_BM": 32}, {"SEG_TILES": 4}, {"SEG_TILES": 64}, {"BWD_STAGES": 1},
+                    {"BWD_BM": 128, "BWD_WARPS": 8}]
+    fb_fn = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5).backward(do)
+    for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
+        for var in vs:
+            for n, x in base.items():
+                setattr(fmsa, n, x)
+            for n, x in var.items():
+                setattr(fmsa, n, x)
+            try:
+                if kind == "fwd":
+                    with torch.no_grad():
+                        ms = triton.testing.do_bench(lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5),
+                                                     warmup=5, rep=20, return_mode="median")
+                else:
+                    ms = triton.testing.do_bench(fb_fn, warmup=5, rep=20, grad_to_none=[q, k, v], return_mode="median")
+                print(f"variant T={T} G={G} {kind} {var or 'default'}: {ms:.2f} ms", flush=True)
+            except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
+                print(f"variant T={T} G={G} {kind} {var or 'default'}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+    for n, x in base.items():
+        setattr(fmsa, n, x)
+    # CSR build alone (part of the forward)
+    from flash_msa.utils.csr import build_selection_csr, prepare_block_meta, tile_schedule
+    meta = prepare_block_meta(cu, T, bs)
+    Tc = fmsa.default_chunk_size(T, HK * G, S, D)
+    ms = triton.testing.do_bench(lambda: build_selection_csr(bi[0], meta, Tc), warmup=5, rep=20, return_mode="median")
+    csr = build_selection_csr(bi[0], meta, Tc)
+    ms2 = triton.testing.do_bench(lambda: tile_schedule(csr, G, fmsa.FWD_BM), warmup=5, rep=20, return_mode="median")
+    ms3 = triton.testing.do_bench(lambda: prepare_block_meta(cu, T, bs), warmup=5, rep=20, return_mode="median")
+    print(f"T={T} G={G}: build_selection_csr {ms:.2f} ms, tile_schedule {ms2:.2f} ms, prepare_block_meta {ms3:.2f} ms, "
+          f"chunk {Tc}", flush=True)
+
+
 def fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
@@ -238,6 +281,7 @@ def main():
     ap.add_argument("--rep", type=int, default=40)
     ap.add_argument("--skip-bwd-over", type=int, default=1 << 30, help="time only the forward above this T")
     ap.add_argument("--profile", default="", help="T,G: print a torch.profiler kernel table of fmsa and nsa fwd+bwd, then exit")
+    ap.add_argument("--variants", default="", help="T,G: time fmsa launch-setting variants, then exit")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; stop starting new shapes after it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -252,6 +296,10 @@ def main():
     print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     if args.profile:
         profile(*[int(x) for x in args.profile.split(",")], D, S, bs, device)
+    if args.variants:
+        for tg in args.variants.split(";"):
+            variants(*[int(x) for x in tg.split(",")], D, S, bs, device)
+    if args.profile or args.variants:
         return
     checks = {}
     for G in Gs:

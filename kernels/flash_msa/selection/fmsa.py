@@ -240,12 +240,18 @@ def _group_rows(G: int) -> int:
     return max(16, triton.next_power_of_2(G))
 
 
+# Launch settings (measured on H200, docs/selected_attention.md); module globals so the
+# benchmark can time variants.
+FWD_BM, FWD_WARPS, FWD_STAGES = 64, 4, 1
+BWD_BM, BWD_WARPS, BWD_STAGES = 64, 4, 2
+
+
 def _fwd_tile_rows(D: int, block_size: int) -> int:
-    return 64
+    return FWD_BM
 
 
 def _bwd_tile_rows(D: int, block_size: int) -> int:
-    return 64 if block_size * D <= 64 * 128 else 32
+    return BWD_BM if block_size * D <= 64 * 128 else min(BWD_BM, 32)
 
 
 def chunk_blocks(csr: SelectionCSR, i_c: int) -> int:
@@ -284,7 +290,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale):
         fmsa_fwd_kernel[(tiles,)](
             q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
             meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM)
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, num_warps=FWD_WARPS, num_stages=FWD_STAGES)
         fmsa_merge_kernel[(min(Tc, T - c0), HK)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_group_rows(G))
@@ -318,7 +324,8 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             q, k, v, do, lse, delta, dk, dv, dkp, dvp, dq_partial if write_dq else dk,
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, chunk_segs, slot_first,
             meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E, scale,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq)
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq,
+            num_warps=BWD_WARPS, num_stages=BWD_STAGES)
         fmsa_bwd_dkdv_reduce_kernel[(HK * nbc,)](
             dk, dv, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
             i_c, meta.num_blocks, nbc, HK=HK, G=G, D=D, BS=BS, SEG=SEG)

@@ -51,6 +51,10 @@ def build_packed_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
                            ds.num_truncated, len(ds), seq_len)
     else:
         lengths = column(tokens, "length", numpy=True)
+        if cfg.format == "sft" and (lengths > seq_len).any():
+            logger.warning("data: %d of %d SFT records are longer than seq_len=%d and are split into pieces "
+                           "that do not see their prompt; raise seq_len to keep them whole",
+                           int((lengths > seq_len).sum()), len(lengths), seq_len)
         ds = PackedDataset(tokens, plan_packing(lengths, seq_len, cfg.seed), seq_len, pad_id)
         logger.info("data: %d documents, %d tokens -> %d sequences of %d tokens (%.1f%% padding)",
                     len(tokens), ds.num_tokens, len(ds), seq_len, 100 * ds.padding_fraction)

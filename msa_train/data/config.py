@@ -5,7 +5,7 @@ dataclass can be registered as a Hydra structured config as it is.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 FORMATS = ("generated", "pretrain", "sft", "preference")

@@ -7,7 +7,7 @@ from msa_train.data import IGNORE_INDEX, DataConfig, build_packed_dataset, colla
 from msa_train.data.packing import plan_packing
 
 
-def check_item(item, T, pad_id):
+def check_item(item, T):
     """The packed-item contract of docs/data.md; returns the segment boundaries."""
     assert set(item) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen"}
     for k in ("input_ids", "labels", "position_ids"):
@@ -33,7 +33,7 @@ def test_generated_packing_invariants(T, tok):
     placed = 0
     for i in range(len(ds)):
         item = ds[i]
-        cu = check_item(item, T, tok.pad_token_id)
+        cu = check_item(item, T)
         # Every segment but a padding tail ends with EOS or is a full-length piece of a longer document.
         ids = item["input_ids"]
         for s, e in zip(cu[:-1], cu[1:]):
@@ -90,7 +90,7 @@ def test_long_document_is_split_into_full_pieces(n_chars, T, tok):
     pieces = []
     for i in range(len(ds)):
         item = ds[i]
-        cu = check_item(item, T, tok.pad_token_id)
+        cu = check_item(item, T)
         pieces.append(item["input_ids"][: cu[1]])
         if cu[1] < T:  # the remainder, followed by padding
             assert n_tokens % T == cu[1]

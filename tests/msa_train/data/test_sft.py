@@ -26,7 +26,7 @@ def _trained_text(tok, labels):
     return "".join(out).strip("|")
 
 
-def _one_doc(ds, tok, prompt_start=None):
+def _one_doc(ds, tok):
     item = ds[0]
     segs = [s for s in _segments(item) if s[0][0] == tok.bos_token_id]
     assert len(segs) == 1

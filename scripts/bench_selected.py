@@ -176,12 +176,13 @@ def variants(T, G, D, S, bs, device):
     HK = 4 if G == 16 else 8
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
-    base = {n: getattr(fmsa, n) for n in ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "BWD_BM", "BWD_WARPS", "BWD_STAGES",
+    base = {n: getattr(fmsa, n) for n in ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES",
                                           "SEG_TILES", "PARTIAL_BUDGET")}
-    fwd_variants = [{}, {"FWD_WARPS": 8}, {"FWD_BM": 128, "FWD_WARPS": 8}, {"FWD_BM": 32},
-                    {"FWD_STAGES": 2}, {"PARTIAL_BUDGET": 320 << 20}, {"PARTIAL_BUDGET": 1280 << 20}]
-    bwd_variants = [{}, {"BWD_WARPS": 8}, {"BWD_BM": 32}, {"SEG_TILES": 4}, {"SEG_TILES": 64}, {"BWD_STAGES": 1},
-                    {"BWD_BM": 128, "BWD_WARPS": 8}]
+    fwd_variants = [{}, {"FWD_TILES": 2, "FWD_STAGES": 2}, {"FWD_TILES": 4, "FWD_STAGES": 2},
+                    {"FWD_TILES": 4, "FWD_STAGES": 3}, {"FWD_TILES": 8, "FWD_STAGES": 2},
+                    {"FWD_TILES": 4, "FWD_STAGES": 2, "FWD_WARPS": 8}, {"PARTIAL_BUDGET": 1280 << 20}]
+    bwd_variants = [{}, {"BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4}, {"SEG_TILES": 8}, {"SEG_TILES": 32},
+                    {"BWD_STAGES": 3}]
     fb_fn = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5).backward(do)
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

@@ -49,45 +49,50 @@ def fmsa_fwd_kernel(
     q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first, chunk_tiles,
     block_start, block_end, i_c, c0_entry, NB, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr,
 ):
-    i_tile = tl.load(chunk_tiles + i_c) + tl.program_id(0)
-    if i_tile >= tl.load(chunk_tiles + i_c + 1):
+    # NT consecutive row tiles per program; programs past the chunk's last tile do nothing
+    i_end = tl.load(chunk_tiles + i_c + 1)
+    i_tile0 = tl.load(chunk_tiles + i_c) + tl.program_id(0) * NT
+    if i_tile0 >= i_end:
         return
-    i_key = tl.load(tile_key + i_tile)
-    i_hk = (i_key // NB) % HK
-    i_b = i_key % NB
-    i_e0 = tl.load(key_offsets + i_key)
-    n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
-    o_r = (i_tile - tl.load(tile_first + i_key)) * BM + tl.arange(0, BM)  # [BM] rows of the key
-    m_r = o_r < n_rows
-    b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0).to(tl.int64)  # [BM] entry ids
-    b_t = b_e // (HK * S)  # [BM] query tokens
-    b_g = o_r % G
     o_d = tl.arange(0, D)
-    b_q = tl.load(q + (b_t * HQ + i_hk * G + b_g)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-    o_k = tl.load(block_start + i_b).to(tl.int64) + tl.arange(0, BS)  # [BS]
-    m_k = o_k < tl.load(block_end + i_b)
-    b_k = tl.load(k + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)  # [BS, D]
-    b_v = tl.load(v + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
-    b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
-    # keys after the query are masked; a valid entry always keeps the block's first key
-    m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
-    b_s = tl.where(m_s, b_s, float("-inf"))
-    b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
-    b_p = tl.exp2(b_s - b_m[:, None])
-    b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
-    b_o = tl.dot(b_p.to(b_v.dtype), b_v) / b_l[:, None]  # [BM, D] normalised partial output
-    o_p = (b_e - c0_entry) * G + b_g  # [BM] rows of the chunk's partial buffer
-    tl.store(po + o_p[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
-    tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
+    for i_j in range(NT):
+        i_tile = i_tile0 + i_j
+        if i_tile < i_end:
+            i_key = tl.load(tile_key + i_tile)
+            i_hk = (i_key // NB) % HK
+            i_b = i_key % NB
+            i_e0 = tl.load(key_offsets + i_key)
+            n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
+            o_r = (i_tile - tl.load(tile_first + i_key)) * BM + tl.arange(0, BM)  # [BM] rows of the key
+            m_r = o_r < n_rows
+            b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0).to(tl.int64)  # [BM] entry ids
+            b_t = b_e // (HK * S)  # [BM] query tokens
+            b_g = o_r % G
+            b_q = tl.load(q + (b_t * HQ + i_hk * G + b_g)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
+            o_k = tl.load(block_start + i_b).to(tl.int64) + tl.arange(0, BS)  # [BS]
+            m_k = o_k < tl.load(block_end + i_b)
+            b_k = tl.load(k + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)  # [BS, D]
+            b_v = tl.load(v + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
+            # keys after the query are masked; a valid entry always keeps the block's first key
+            m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
+            b_s = tl.where(m_s, b_s, float("-inf"))
+            b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
+            b_p = tl.exp2(b_s - b_m[:, None])
+            b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
+            b_o = tl.dot(b_p.to(b_v.dtype), b_v) / b_l[:, None]  # [BM, D] normalised partial output
+            o_p = (b_e - c0_entry) * G + b_g  # [BM] rows of the chunk's partial buffer
+            tl.store(po + o_p[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
+            tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
 
 
 @triton.jit
 def fmsa_merge_kernel(
     po, plse, o, lse, block_indices, tok_start, c0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BG: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr,
 ):
     i_t = c0 + tl.program_id(0).to(tl.int64)
     i_hk = tl.program_id(1)
@@ -97,26 +102,41 @@ def fmsa_merge_kernel(
     o_g = tl.arange(0, BG)
     m_g = o_g < G
     o_d = tl.arange(0, D)
-    b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BG], dtype=tl.float32)
+    # pass 1: max of the valid slots' lse, all slots loaded at once. [BSS, BG]
+    o_s = tl.arange(0, BSS)
+    b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + o_s, mask=o_s < S, other=-1)
+    m_sv = (b_idx >= 0) & (b_idx <= own)
+    o_row = ((i_t - c0) * HK + i_hk) * S  # first partial entry of this (token, KV head)
+    m_sg = m_sv[:, None] & m_g[None, :]
+    b_lse = tl.load(plse + (o_row + o_s)[:, None] * G + o_g[None, :], mask=m_sg, other=float("-inf"))
+    b_m = tl.max(b_lse, 0)  # [BG]
+    b_ok = b_m > float("-inf")
+    b_m = tl.where(b_ok, b_m, 0.)
+    b_l = tl.sum(tl.exp2(b_lse - b_m[None, :]), 0)
+    # pass 2: weighted sum in slot order; loads are independent of each other
     b_acc = tl.zeros([BG, D], dtype=tl.float32)
-    for i_s in range(S):
-        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s)
-        if (b_idx >= 0) & (b_idx <= own):
-            o_p = (((i_t - c0) * HK + i_hk) * S + i_s) * G + o_g  # [BG]
-            b_lse = tl.load(plse + o_p, mask=m_g, other=0.)
-            b_o = tl.load(po + o_p[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.).to(tl.float32)
-            b_mn = tl.maximum(b_m, b_lse)
-            b_a = tl.exp2(b_m - b_mn)
-            b_w = tl.exp2(b_lse - b_mn)
-            b_acc = b_acc * b_a[:, None] + b_o * b_w[:, None]
-            b_l = b_l * b_a + b_w
-            b_m = b_mn
-    b_ok = b_l > 0
+    for i_s in tl.static_range(S):
+        b_iv = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64))  # [BG], one value
+        m_v = (b_iv >= 0) & (b_iv <= own) & m_g
+        o_p = (o_row + i_s) * G + o_g  # [BG]
+        b_w = tl.exp2(tl.load(plse + o_p, mask=m_v, other=float("-inf")) - b_m)
+        b_o = tl.load(po + o_p[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
+        b_acc += b_o * b_w[:, None]
     b_l = tl.where(b_ok, b_l, 1.)
     o_h = i_t * HQ + i_hk * G + o_g
     tl.store(o + o_h[:, None] * D + o_d[None, :], (b_acc / b_l[:, None]).to(o.dtype.element_ty), mask=m_g[:, None])
     tl.store(lse + o_h, tl.where(b_ok, b_m + tl.log2(b_l), 0.), mask=m_g)
+
+
+@triton.jit
+def fmsa_bwd_preprocess_kernel(o, do, delta, N, D: tl.constexpr, BR: tl.constexpr):
+    # delta = rowsum(o * do) in fp32, without materialising fp32 copies of o and do
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = o_r < N
+    o_d = tl.arange(0, D)
+    b_o = tl.load(o + o_r[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.).to(tl.float32)
+    b_do = tl.load(do + o_r[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.).to(tl.float32)
+    tl.store(delta + o_r, tl.sum(b_o * b_do, 1), mask=m_r)
 
 
 @triton.jit
@@ -226,12 +246,13 @@ def fmsa_bwd_dq_kernel(
     o_g = tl.arange(0, BG)
     m_g = o_g < G
     o_d = tl.arange(0, D)
+    o_row = ((i_t - c0) * HK + i_hk) * S
     b_dq = tl.zeros([BG, D], dtype=tl.float32)
-    for i_s in range(S):
-        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s)
-        if (b_idx >= 0) & (b_idx <= own):
-            o_p = (((i_t - c0) * HK + i_hk) * S + i_s) * G + o_g
-            b_dq += tl.load(dqp + o_p[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.)
+    for i_s in tl.static_range(S):  # slot order: deterministic; loads independent of each other
+        b_iv = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64))  # [BG], one value
+        m_v = (b_iv >= 0) & (b_iv <= own) & m_g
+        o_p = (o_row + i_s) * G + o_g
+        b_dq += tl.load(dqp + o_p[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
     o_h = i_t * HQ + i_hk * G + o_g
     tl.store(dq + o_h[:, None] * D + o_d[None, :], b_dq.to(dq.dtype.element_ty), mask=m_g[:, None])
 
@@ -240,10 +261,24 @@ def _group_rows(G: int) -> int:
     return max(16, triton.next_power_of_2(G))
 
 
+def _reduce_rows(G: int) -> int:
+    """Rows of the merge / dq reductions: no matmul there, so no padding to 16."""
+    return max(2, triton.next_power_of_2(G))
+
+
+def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, HQ]: rowsum(o * do), the softmax-backward correction term."""
+    T, HQ, D = o.shape
+    delta = torch.empty(T, HQ, device=o.device, dtype=torch.float32)
+    BR = 64
+    fmsa_bwd_preprocess_kernel[(triton.cdiv(T * HQ, BR),)](o, do, delta, T * HQ, D=D, BR=BR)
+    return delta
+
+
 # Launch settings (measured on H200, docs/selected_attention.md); module globals so the
 # benchmark can time variants.
-FWD_BM, FWD_WARPS, FWD_STAGES = 64, 4, 1
-BWD_BM, BWD_WARPS, BWD_STAGES = 64, 4, 2
+FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 1, 1
+BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 2
 
 
 def _fwd_tile_rows(D: int, block_size: int) -> int:
@@ -287,13 +322,14 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale):
         entries = min(Tc, T - c0) * HK * S
         # static bound on the chunk's tiles: each key adds at most one partial tile
         tiles = (entries * G + BM - 1) // BM + min(entries, HK * chunk_blocks(csr, i_c))
-        fmsa_fwd_kernel[(tiles,)](
+        fmsa_fwd_kernel[(triton.cdiv(tiles, FWD_TILES),)](
             q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
             meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, num_warps=FWD_WARPS, num_stages=FWD_STAGES)
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, num_warps=FWD_WARPS, num_stages=FWD_STAGES)
         fmsa_merge_kernel[(min(Tc, T - c0), HK)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, T,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_group_rows(G))
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
+            BSS=triton.next_power_of_2(S))
     return o, lse
 
 
@@ -328,11 +364,11 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             num_warps=BWD_WARPS, num_stages=BWD_STAGES)
         fmsa_bwd_dkdv_reduce_kernel[(HK * nbc,)](
             dk, dv, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
-            i_c, meta.num_blocks, nbc, HK=HK, G=G, D=D, BS=BS, SEG=SEG)
+            i_c, meta.num_blocks, nbc, HK=HK, G=G, D=D, BS=BS, SEG=SEG, num_warps=8)
         if write_dq:
             fmsa_bwd_dq_kernel[(min(Tc, T - c0), HK)](
                 dq_partial, dq, block_indices, meta.tok_start, c0, T,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_group_rows(G))
+                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G))
     return dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -356,7 +392,7 @@ class FMSASelectedAttentionFunction(torch.autograd.Function):
         csr, scale = ctx.csr, ctx.scale
         T, HQ, D = q.shape
         do = do.contiguous()
-        delta = (o.float() * do.float()).sum(-1)  # [T, HQ]
+        delta = attention_delta(o, do)  # [T, HQ]
         dq = torch.empty_like(q)
         # bf16/fp16 partials for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
         dq_partial = torch.empty(min(csr.chunk_size, T) * HQ * csr.S, D, device=q.device, dtype=q.dtype)

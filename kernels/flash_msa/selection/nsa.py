@@ -142,7 +142,7 @@ class NSASelectedAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, block_indices = ctx.saved_tensors
         meta, scale = ctx.meta, ctx.scale
         do = do.contiguous()
-        delta = (o.float() * do.float()).sum(-1)  # [T, HQ]
+        delta = _fmsa.attention_delta(o, do)  # [T, HQ]
         dq = nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale)
         # dk, dv: KV-block-centric over all queries at once (no dq buffer, so one chunk).
         csr = build_selection_csr(block_indices, meta, chunk_size=q.shape[0])

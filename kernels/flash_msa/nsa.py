@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flash_msa import reference
+from flash_msa.compression.interface import TRITON_BRANCHES
 from flash_msa.selection.interface import ALL_IMPLS, SELECTED_BLOCK_SIZES, selected_attention
 from flash_msa.utils.validation import (
     check_block_size, check_cu_seqlens, check_positive_int, check_qkv, check_scale, check_tensor)
@@ -53,7 +54,7 @@ def _check_compression(name: str, weight, pos, HK: int, D: int, block: int, dtyp
 
 
 # The branch implementations nsa_attention composes. "reference" is plain PyTorch; the
-# Triton kernels register a "triton" set (see compression/ and window/) when present.
+# "triton" set holds the Triton kernels (compression/interface.py, window/interface.py).
 BRANCHES = {
     "reference": SimpleNamespace(
         compress=reference.compress_kv,
@@ -61,6 +62,7 @@ BRANCHES = {
         select_blocks=reference.select_blocks,
         window_attention=reference.window_attention,
     ),
+    "triton": TRITON_BRANCHES,
 }
 
 

@@ -1,0 +1,196 @@
+"""Fused streaming top-n block selection in Triton.
+
+One program owns ``BT`` consecutive tokens of ONE sequence and one KV head (a device-side
+tile table maps program ids to (sequence, first token) without a host sync; its size bound
+is ``cdiv(T, BT) + N``). It walks the selection blocks of the sequence in chunks of ``NB``
+blocks, up to the tile's last own block, and for each chunk:
+
+1. recomputes the scores of its G query heads against the ``BC = NB*l'/d`` compressed rows
+   whose blocks start in the chunk, and turns them into probabilities with the
+   compressed-attention lse: ``p = exp(s - lse)``, summed over the group in fp32 ([BT, BC]);
+2. maps them to the chunk's blocks with the overlap matrix ``W[c, j] = |keys(c) ∩ block j| / l``
+   (a [BC, NB] fp32 matmul in IEEE precision). A compressed token spills into at most the next
+   block (l <= l'), so the spill of the chunk's last tokens into the next chunk's first block
+   is carried in registers;
+3. forces block 0, the own block and the one before it (+inf), drops blocks after the own
+   block, and merges the chunk into the running top-``NB`` list: each (score, block) is packed
+   into one int64 key, ``bits(score) << 32 | (2^31 - 1 - block)`` (scores are >= 0, so the
+   float bits order like the floats; a lower block wins a tie), and the running list and the
+   chunk are merged with a bitonic network (sort the chunk ascending, take the elementwise max
+   with the descending list, bitonic-merge), keeping the top NB.
+
+Memory is O(T * n) for the output; no [T, T/d] score matrix exists anywhere. The first n keys
+of the list are the top n; they are written ascending by block, -1 padded (the reference
+order). Supports l <= l' (a compressed token spans at most two selection blocks), which
+covers the NSA defaults; other sizes fall back to the PyTorch reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_LOW = 0x7FFFFFFF
+
+
+@triton.jit
+def _overlap(o_c, o_j, BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr):
+    # fraction of compressed token c's keys [c*d, c*d + l) inside selection block j: [len(o_c), len(o_j)]
+    b_c0 = o_c[:, None] * STRIDE
+    b_j0 = o_j[None, :] * SLC
+    b_inter = tl.minimum(b_c0 + BLOCK, b_j0 + SLC) - tl.maximum(b_c0, b_j0)
+    return tl.maximum(b_inter, 0).to(tl.float32) / BLOCK
+
+
+@triton.jit
+def _compare_swap(x, flip, R: tl.constexpr, A: tl.constexpr, C: tl.constexpr):
+    # x [R, A*2*C]: compare element (a, 0, c) with (a, 1, c); group a ascending unless flip[a]
+    b_x = tl.permute(tl.reshape(x, [R, A, 2, C]), [0, 1, 3, 2])  # [R, A, C, 2]
+    b_l, b_r = tl.split(b_x)  # [R, A, C] each
+    b_lo, b_hi = tl.minimum(b_l, b_r), tl.maximum(b_l, b_r)
+    m_f = (flip != 0)[None, :, None]
+    b_x = tl.join(tl.where(m_f, b_hi, b_lo), tl.where(m_f, b_lo, b_hi))  # [R, A, C, 2]
+    return tl.reshape(tl.permute(b_x, [0, 1, 3, 2]), [R, A * 2 * C])
+
+
+@triton.jit
+def _bitonic_sort(x, R: tl.constexpr, LOG_M: tl.constexpr, DESC: tl.constexpr):
+    # sorts each row of x [R, 2**LOG_M]; written with reshape/split/join (no reductions), which
+    # compiles the same on every Triton and runs fast in the interpreter
+    for i in tl.static_range(1, LOG_M + 1):
+        for jj in tl.static_range(0, i):
+            j: tl.constexpr = i - 1 - jj
+            A: tl.constexpr = (1 << LOG_M) >> (j + 1)
+            flip = ((tl.arange(0, A) >> (i - j - 1)) & 1) ^ DESC
+            x = _compare_swap(x, flip, R, A, 1 << j)
+    return x
+
+
+@triton.jit
+def _bitonic_merge_desc(x, R: tl.constexpr, LOG_M: tl.constexpr):
+    # x [R, 2**LOG_M] bitonic rows -> sorted descending
+    for jj in tl.static_range(0, LOG_M):
+        j: tl.constexpr = LOG_M - 1 - jj
+        A: tl.constexpr = (1 << LOG_M) >> (j + 1)
+        x = _compare_swap(x, tl.full([A], 1, tl.int32), R, A, 1 << j)
+    return x
+
+
+@triton.jit
+def select_blocks_kernel(
+    q, k, lse, cu, cu_cmp, tile_seq, tile_t0, out, scale2,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
+    NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    i_s = tl.load(tile_seq + i_p)
+    t0 = tl.load(tile_t0 + i_p).to(tl.int64)
+    bos = tl.load(cu + i_s).to(tl.int64)
+    eos = tl.load(cu + i_s + 1).to(tl.int64)
+    row0 = tl.load(cu_cmp + i_s).to(tl.int64)
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < eos
+    t_rel = (o_t - bos).to(tl.int32)
+    n_vis = tl.where(m_t & (t_rel >= BLOCK - 1), (t_rel - BLOCK + 1) // STRIDE + 1, 0)  # [BT]
+    own = t_rel // SLC  # [BT]
+    own_max = tl.max(tl.where(m_t, own, -1), 0)
+    n_vis_max = tl.max(n_vis, 0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_nb = tl.arange(0, NB)
+
+    b_top = tl.full([BT, NB], -1, dtype=tl.int64)  # running top-NB keys, descending
+    b_carry = tl.zeros([BT], dtype=tl.float32)  # spill of the previous chunk into this chunk's first block
+    for j0 in range(0, own_max + 1, NB):
+        o_c = j0 * (SLC // STRIDE) + tl.arange(0, BC)  # [BC] compressed tokens (relative) starting in the chunk
+        m_c = o_c < n_vis_max
+        p_k = k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_c[:, None] & m_d[None, :], other=0.)  # [BC, BD]
+        m_vis = o_c[None, :] < n_vis[:, None]  # [BT, BC]
+        b_p = tl.zeros([BT, BC], dtype=tl.float32)
+        for i_g in range(G):
+            o_hq = i_h * G + i_g
+            b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :],
+                          mask=m_t[:, None] & m_d[None, :], other=0.)  # [BT, BD]
+            b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * LOG2E  # [BT]
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
+            b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
+        o_j = j0 + o_nb  # [NB] blocks of the chunk
+        b_w = _overlap(o_c, o_j, BLOCK, STRIDE, SLC)  # [BC, NB]
+        b_sc = tl.dot(b_p, b_w, input_precision="ieee")  # [BT, NB]
+        b_sc += tl.where(o_nb[None, :] == 0, b_carry[:, None], 0.)
+        b_jn = (j0 + NB) * SLC  # first key of the next chunk's first block
+        b_wn = tl.maximum(tl.minimum(o_c * STRIDE + BLOCK, b_jn + SLC) - tl.maximum(o_c * STRIDE, b_jn), 0)
+        b_carry = tl.sum(b_p * (b_wn.to(tl.float32) / BLOCK)[None, :], 1)  # [BT]
+        # forced and causal blocks
+        m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
+        b_sc = tl.where(m_forced, float("inf"), b_sc)
+        m_cand = (o_j[None, :] <= own[:, None]) & m_t[:, None]
+        b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (_LOW - o_j[None, :]).to(tl.int64)
+        b_key = tl.where(m_cand, b_key, -1)
+        # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
+        # sequence holding the top NB of both (the first step of a bitonic merge); sort it.
+        b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
+        b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
+
+    # the first TOPK keys are the top n; write their blocks ascending, -1 padded
+    m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
+    b_blk = _LOW - (b_top & _LOW).to(tl.int32)
+    b_blk = _bitonic_sort(tl.where(m_keep, b_blk, _LOW), BT, LOG_NB, 0)
+    b_blk = tl.where(b_blk == _LOW, -1, b_blk)
+    p_o = out + (o_t * HK + i_h)[:, None] * TOPK + o_nb[None, :]
+    tl.store(p_o, b_blk, mask=m_t[:, None] & (o_nb[None, :] < TOPK))
+
+
+def tile_table(cu_seqlens: torch.Tensor, T: int, BT: int):
+    """Programs -> (sequence, first token) for tiles of BT tokens that never cross a sequence.
+
+    The table has the static size cdiv(T, BT) + N (no host sync); spare entries get an empty
+    tile (first token = the sequence end).
+    """
+    cu = cu_seqlens.to(torch.int64)
+    N = cu.numel() - 1
+    n_tiles = (cu[1:] - cu[:-1] + BT - 1) // BT  # [N]
+    cum = n_tiles.cumsum(0)
+    p = torch.arange(triton.cdiv(T, BT) + N, device=cu.device)
+    seq = torch.searchsorted(cum, p, right=True)
+    spare = seq >= N
+    seq = seq.clamp_max(N - 1)
+    t0 = cu[seq] + (p - (cum[seq] - n_tiles[seq])) * BT
+    t0 = torch.where(spare, cu[seq + 1], t0)
+    return seq.to(torch.int32), t0.to(torch.int32)
+
+
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
+                  cu_cmp: torch.Tensor, block: int, stride: int, slc_block: int, topk: int, scale: float) -> torch.Tensor:
+    """Top-n selection blocks per (token, KV head) (the contract of flash_msa.reference.select_blocks).
+
+    Args:
+        q: [T, HQ, D]; k_cmp: [T//stride, HK, D] packed compressed keys.
+        lse: fp32 [T, HQ] natural-log lse of compressed attention (-inf where nothing is visible).
+        cu_seqlens, cu_cmp: int32 [N+1]. block, stride: l and d; slc_block: l'; topk: n.
+        scale: softmax scale.
+
+    Returns:
+        block_indices int32 [T, HK, topk], ascending, -1 padded. No gradient.
+    """
+    T, HQ, D = q.shape
+    HK = k_cmp.shape[1]
+    if block > slc_block or slc_block % stride != 0:
+        from flash_msa import reference
+        return reference.select_blocks(q, k_cmp, lse, cu_seqlens, cu_cmp, block, stride, slc_block, topk, scale)
+    q, k_cmp, lse = q.detach().contiguous(), k_cmp.detach().contiguous(), lse.detach().float().contiguous()
+    NB = max(16, triton.next_power_of_2(topk))
+    BC = NB * slc_block // stride
+    BT = 64 if q.device.type == "cuda" else 32
+    BD = max(16, triton.next_power_of_2(D))
+    seq, t0 = tile_table(cu_seqlens, T, BT)
+    out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
+    opts = dict(num_warps=4, num_stages=2) if q.device.type == "cuda" else {}
+    select_blocks_kernel[(seq.numel(), HK)](
+        q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
+        HQ=HQ, HK=HK, G=HQ // HK, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
+        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, **opts)
+    return out

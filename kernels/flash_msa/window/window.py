@@ -1,0 +1,302 @@
+"""Range attention in Triton, and sliding-window attention on top of it.
+
+Range attention: query t (one packed stream ``[T, HQ, D]``) attends to the contiguous key
+rows ``[lo[t], hi[t])`` of ``k, v [Tk, HK, D]``. Two NSA branches are exactly this:
+
+- sliding window: ``lo = max(seq_start, t - w + 1)``, ``hi = t + 1`` (keys are the tokens);
+- compressed attention: ``lo = cu_cmp[seq]``, ``hi = lo + n_visible(t)`` (keys are the packed
+  compressed rows, see :mod:`flash_msa.compression.compressed_attention`).
+
+The backward also needs, for every key row s, the contiguous range ``[qlo[s], qhi[s])`` of
+queries that may see it; the kernels still test ``lo[t] <= s < hi[t]`` element by element,
+so the ranges only bound the loops. Ranges are int32 arrays computed on the device from
+``cu_seqlens`` (no host sync), so tiles may straddle sequences freely.
+
+GQA packing: a program's M dimension is ``BM`` consecutive (token, head-of-group) rows
+``m = t*G + g`` of one KV head, so K/V tiles are loaded once for the whole group and any
+G (1..16, 5 included) packs densely.
+
+Backward: dq per query tile, dk/dv per key tile, no atomics, so it is deterministic.
+Scores are kept in log2 units inside the kernels; ``lse`` is returned in natural log.
+
+Reads bottom-up: kernels -> host launchers -> autograd Function -> public functions.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from flash_msa.utils.varlen import token_seq_bounds
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_BIG = 1 << 30
+
+
+@triton.jit
+def range_attn_fwd_kernel(
+    q, k, v, o, lse, lo, hi, scale2, T, Tk,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    i_m, i_h = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < T * G
+    o_t = (o_m // G).to(tl.int64)
+    o_hq = i_h * G + o_m % G
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    p_q = q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.)  # [BM, BD]
+    b_lo = tl.load(lo + o_t, mask=m_m, other=0)  # [BM]
+    b_hi = tl.load(hi + o_t, mask=m_m, other=0)
+    m_nonempty = m_m & (b_lo < b_hi)
+    n_start = tl.min(tl.where(m_nonempty, b_lo, _BIG), 0)
+    n_end = tl.max(tl.where(m_nonempty, b_hi, 0), 0)
+
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    for n0 in range(n_start, n_end, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < n_end
+        o_kv = (o_n.to(tl.int64) * HK + i_h)[:, None] * D + o_d[None, :]
+        b_k = tl.load(k + o_kv, mask=m_n[:, None] & m_d[None, :], other=0.)  # [BN, BD]
+        b_v = tl.load(v + o_kv, mask=m_n[:, None] & m_d[None, :], other=0.)  # [BN, BD]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
+        m_s = (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+        b_ms = tl.where(b_mn == float("-inf"), 0., b_mn)  # rows with nothing visible yet
+        b_p = tl.exp2(b_s - b_ms[:, None])
+        b_a = tl.exp2(b_m - b_ms)
+        b_l = b_l * b_a + tl.sum(b_p, 1)
+        b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_m = b_mn
+    m_any = b_l > 0
+    b_o = b_acc / tl.where(m_any, b_l, 1.)[:, None]
+    b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.))) * LN2, float("-inf"))
+    tl.store(o + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_m[:, None] & m_d[None, :])
+    tl.store(lse + o_t * HQ + o_hq, b_lse, mask=m_m)
+
+
+@triton.jit
+def range_attn_bwd_preprocess_kernel(o, do, dlse, delta, N, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    # delta = rowsum(o * do) - dlse: the lse gradient enters ds = p * (dp - delta) exactly.
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = o_r < N
+    o_d = tl.arange(0, BD)
+    m = m_r[:, None] & (o_d < D)[None, :]
+    b_o = tl.load(o + o_r[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+    b_do = tl.load(do + o_r[:, None] * D + o_d[None, :], mask=m, other=0.).to(tl.float32)
+    b_dlse = tl.load(dlse + o_r, mask=m_r, other=0.)
+    tl.store(delta + o_r, tl.sum(b_o * b_do, 1) - b_dlse, mask=m_r)
+
+
+@triton.jit
+def range_attn_bwd_dq_kernel(
+    q, k, v, do, lse, delta, dq, lo, hi, scale2, scale, T, Tk,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    i_m, i_h = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < T * G
+    o_t = (o_m // G).to(tl.int64)
+    o_hq = i_h * G + o_m % G
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_qd = (o_t * HQ + o_hq)[:, None] * D + o_d[None, :]
+    m_qd = m_m[:, None] & m_d[None, :]
+    b_q = tl.load(q + o_qd, mask=m_qd, other=0.)  # [BM, BD]
+    b_do = tl.load(do + o_qd, mask=m_qd, other=0.)  # [BM, BD]
+    b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_m, other=0.) * LOG2E  # [BM]
+    b_delta = tl.load(delta + o_t * HQ + o_hq, mask=m_m, other=0.)  # [BM]
+    b_lo = tl.load(lo + o_t, mask=m_m, other=0)
+    b_hi = tl.load(hi + o_t, mask=m_m, other=0)
+    m_nonempty = m_m & (b_lo < b_hi)
+    n_start = tl.min(tl.where(m_nonempty, b_lo, _BIG), 0)
+    n_end = tl.max(tl.where(m_nonempty, b_hi, 0), 0)
+
+    b_dq = tl.zeros([BM, BD], dtype=tl.float32)
+    for n0 in range(n_start, n_end, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < n_end
+        o_kv = (o_n.to(tl.int64) * HK + i_h)[:, None] * D + o_d[None, :]
+        b_k = tl.load(k + o_kv, mask=m_n[:, None] & m_d[None, :], other=0.)  # [BN, BD]
+        b_v = tl.load(v + o_kv, mask=m_n[:, None] & m_d[None, :], other=0.)  # [BN, BD]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
+        m_s = (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
+        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+    tl.store(dq + o_qd, (b_dq * scale).to(dq.dtype.element_ty), mask=m_qd)
+
+
+@triton.jit
+def range_attn_bwd_dkdv_kernel(
+    q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale2, scale, T, Tk,
+    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < Tk
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_kv = (o_n.to(tl.int64) * HK + i_h)[:, None] * D + o_d[None, :]
+    m_kv = m_n[:, None] & m_d[None, :]
+    b_k = tl.load(k + o_kv, mask=m_kv, other=0.)  # [BN, BD]
+    b_v = tl.load(v + o_kv, mask=m_kv, other=0.)  # [BN, BD]
+    b_qlo = tl.load(qlo + o_n, mask=m_n, other=0)
+    b_qhi = tl.load(qhi + o_n, mask=m_n, other=0)
+    m_nonempty = m_n & (b_qlo < b_qhi)
+    t_start = tl.min(tl.where(m_nonempty, b_qlo, _BIG), 0)
+    t_end = tl.max(tl.where(m_nonempty, b_qhi, 0), 0)
+    r_start = tl.where(t_start < t_end, t_start * G, 0)
+    r_end = t_end * G
+
+    b_dk = tl.zeros([BN, BD], dtype=tl.float32)
+    b_dv = tl.zeros([BN, BD], dtype=tl.float32)
+    for m0 in range(r_start, r_end, BM):
+        o_m = m0 + tl.arange(0, BM)
+        m_m = o_m < r_end
+        o_t = (o_m // G).to(tl.int64)
+        o_hq = i_h * G + o_m % G
+        o_qd = (o_t * HQ + o_hq)[:, None] * D + o_d[None, :]
+        m_qd = m_m[:, None] & m_d[None, :]
+        b_q = tl.load(q + o_qd, mask=m_qd, other=0.)  # [BM, BD]
+        b_do = tl.load(do + o_qd, mask=m_qd, other=0.)  # [BM, BD]
+        b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_m, other=0.) * LOG2E
+        b_delta = tl.load(delta + o_t * HQ + o_hq, mask=m_m, other=0.)
+        b_lo = tl.load(lo + o_t, mask=m_m, other=0)
+        b_hi = tl.load(hi + o_t, mask=m_m, other=0)
+        m_s = m_m[:, None] & (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])  # [BM, BN]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
+        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
+    tl.store(dk + o_kv, (b_dk * scale).to(dk.dtype.element_ty), mask=m_kv)
+    tl.store(dv + o_kv, b_dv.to(dv.dtype.element_ty), mask=m_kv)
+
+
+def _tiles(D: int, device) -> dict:
+    """Tile sizes and launch options: H200-tuned on CUDA, large tiles for the CPU interpreter."""
+    BD = max(16, triton.next_power_of_2(D))
+    if device.type != "cuda":
+        return dict(BD=BD, fwd=(64, 64, {}), dq=(64, 64, {}), dkdv=(64, 64, {}))
+    if BD <= 64:
+        return dict(BD=BD, fwd=(128, 64, dict(num_warps=4, num_stages=3)), dq=(128, 64, dict(num_warps=8, num_stages=2)),
+                    dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
+    return dict(BD=BD, fwd=(128, 64, dict(num_warps=8, num_stages=2)), dq=(64, 64, dict(num_warps=4, num_stages=2)),
+                dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
+
+
+def range_attention_fwd(q, k, v, lo, hi, scale: float):
+    """q [T, HQ, D], k/v [Tk, HK, D], lo/hi int32 [T] -> (o [T, HQ, D], lse fp32 [T, HQ], natural log)."""
+    T, HQ, D = q.shape
+    Tk, HK = k.shape[:2]
+    G = HQ // HK
+    o = torch.empty_like(q)
+    lse = torch.empty(T, HQ, dtype=torch.float32, device=q.device)
+    cfg = _tiles(D, q.device)
+    BM, BN, opts = cfg["fwd"]
+    grid = (triton.cdiv(T * G, BM), HK)
+    range_attn_fwd_kernel[grid](q, k, v, o, lse, lo, hi, scale * LOG2E, T, Tk,
+                                HQ=HQ, HK=HK, G=G, D=D, BD=cfg["BD"], BM=BM, BN=BN, **opts)
+    return o, lse
+
+
+def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: float):
+    """Gradients (dq, dk, dv) of range attention; dlse (or None) is the gradient of lse."""
+    T, HQ, D = q.shape
+    Tk, HK = k.shape[:2]
+    G = HQ // HK
+    cfg = _tiles(D, q.device)
+    BD = cfg["BD"]
+    delta = torch.empty(T, HQ, dtype=torch.float32, device=q.device)
+    if dlse is None:
+        dlse = torch.zeros(T, HQ, dtype=torch.float32, device=q.device)
+    BR = 64
+    range_attn_bwd_preprocess_kernel[(triton.cdiv(T * HQ, BR),)](
+        o, do, dlse.float().contiguous(), delta, T * HQ, D=D, BD=BD, BR=BR)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    BM, BN, opts = cfg["dq"]
+    range_attn_bwd_dq_kernel[(triton.cdiv(T * G, BM), HK)](
+        q, k, v, do, lse, delta, dq, lo, hi, scale * LOG2E, scale, T, Tk,
+        HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **opts)
+    if Tk > 0:
+        BM, BN, opts = cfg["dkdv"]
+        range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN), HK)](
+            q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale * LOG2E, scale, T, Tk,
+            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **opts)
+    return dq, dk, dv
+
+
+class RangeAttentionFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, lo, hi, qlo, qhi, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, lse = range_attention_fwd(q, k, v, lo, hi, scale)
+        ctx.save_for_backward(q, k, v, o, lse, lo, hi, qlo, qhi)
+        ctx.scale = scale
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, lo, hi, qlo, qhi = ctx.saved_tensors
+        dq, dk, dv = range_attention_bwd(q, k, v, o, lse, do.contiguous(), dlse, lo, hi, qlo, qhi, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def range_attention(q, k, v, lo, hi, qlo, qhi, scale: float):
+    """Attention of query t over key rows [lo[t], hi[t]); see the module docstring.
+
+    Args:
+        q: [T, HQ, D]; k, v: [Tk, HK, D] with HQ a multiple of HK.
+        lo, hi: int32 [T], the key range of each query token (empty when lo >= hi).
+        qlo, qhi: int32 [Tk], a range of query tokens covering every query that sees key row s.
+        scale: softmax scale.
+
+    Returns:
+        (o [T, HQ, D] in q's dtype, 0 where the range is empty; lse fp32 [T, HQ], -inf there).
+        Differentiable in q, k, v (and through lse).
+    """
+    return RangeAttentionFunction.apply(q, k, v, lo, hi, qlo, qhi, scale)
+
+
+def window_ranges(cu_seqlens: torch.Tensor, T: int, window: int):
+    """(lo, hi, qlo, qhi) int32 [T] for the sliding window: no host sync."""
+    start, end = token_seq_bounds(cu_seqlens, T)
+    t = torch.arange(T, device=cu_seqlens.device)
+    lo = torch.maximum(start, t - window + 1)
+    qhi = torch.minimum(t + window, end)
+    return lo.to(torch.int32), (t + 1).to(torch.int32), t.to(torch.int32), qhi.to(torch.int32)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     window: int, scale: float) -> torch.Tensor:
+    """Sliding-window attention on one packed stream (the contract of flash_msa.reference.window_attention).
+
+    Args:
+        q: [T, HQ, D]; k, v: [T, HK, D].
+        cu_seqlens: int32 [N+1] offsets of the packed sequences.
+        window: w; query t of a sequence starting at s0 sees keys [max(s0, t - w + 1), t].
+        scale: softmax scale.
+
+    Returns:
+        o: [T, HQ, D] in q's dtype. Differentiable in q, k, v (deterministic backward).
+    """
+    lo, hi, qlo, qhi = window_ranges(cu_seqlens, q.shape[0], window)
+    o, _ = range_attention(q, k, v, lo, hi, qlo, qhi, scale)
+    return o

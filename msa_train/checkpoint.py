@@ -1,0 +1,149 @@
+"""Atomic checkpoints and exact resume.
+
+Layout of ``<output_dir>/checkpoints/``::
+
+    step_000020/                 a complete checkpoint (only complete ones carry this name)
+      ds/                        DeepSpeed engine.save_checkpoint: model, optimizer, LR scheduler
+      rank_00000.pt ...          per rank: torch / CUDA / python RNG states, data sampler state
+      trainer_state.json         step, tokens seen, config fingerprint
+      COMPLETE                   written last, before the rename
+    .tmp_step_000030/            an interrupted write: ignored, removed by the next save
+
+A save writes everything into ``.tmp_step_N``, fsyncs the files and the directory, then renames
+it to ``step_N`` (rename is atomic on POSIX), so a process killed at any moment leaves either the
+new checkpoint or none, and the previous one untouched. ``resume=auto`` loads the newest
+``step_*`` holding ``COMPLETE``.
+
+Test hook: ``MSA_TRAIN_CRASH_IN_SAVE=<step>`` SIGKILLs the process in the middle of that step's
+write (after the DeepSpeed files, before the marker and the rename).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+COMPLETE = "COMPLETE"
+DS_TAG = "ds"
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def find_latest(ckpt_root: Path) -> Optional[Path]:
+    """The newest complete checkpoint directory under ``ckpt_root``, or None."""
+    if not ckpt_root.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE).is_file()]
+    return max(found)[1] if found else None
+
+
+class CheckpointManager:
+    """Saves and restores the engine, RNG and data state; keeps the newest ``keep`` checkpoints."""
+
+    def __init__(self, root: Path, rank: int, keep: int = 2):
+        self.root, self.rank, self.keep = Path(root), rank, keep
+
+    def save(self, engine, step: int, trainer_state: Dict[str, Any], rank_state: Dict[str, Any]) -> Path:
+        """Collective: every rank calls it. Returns the final checkpoint path."""
+        final = self.root / f"step_{step:06d}"
+        tmp = self.root / f".tmp_step_{step:06d}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp_step_*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        _barrier()
+        engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+        torch.save({"rng": rng_state(), **rank_state}, tmp / f"rank_{self.rank:05d}.pt")
+        _barrier()
+        if self.rank == 0:
+            if os.environ.get("MSA_TRAIN_CRASH_IN_SAVE") == str(step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+            _fsync_tree(tmp)
+            (tmp / COMPLETE).write_text(f"{step}\n")
+            with open(tmp / COMPLETE, "rb") as f:
+                os.fsync(f.fileno())
+            if final.exists():  # re-saving the same step (e.g. final == periodic)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        complete = sorted((int(m.group(1)), p) for p in self.root.iterdir()
+                          if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE).is_file())
+        for _, path in complete[:-self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def resolve(self, resume: str) -> Optional[Path]:
+        """``none`` -> None; ``auto`` -> newest complete (or None); else the given directory."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return find_latest(self.root)
+        path = Path(resume)
+        if not (path / COMPLETE).is_file():
+            raise ValueError(f"train.resume={resume!r} is not a complete checkpoint directory (no {COMPLETE} file)")
+        return path
+
+    def load(self, engine, path: Path) -> tuple[Dict[str, Any], Dict[str, Any]]:
+        """Restore engine (weights, optimizer, LR schedule) and RNG; returns (trainer_state, rank_state)."""
+        load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+        rank_file = path / f"rank_{self.rank:05d}.pt"
+        if not rank_file.is_file():
+            raise ValueError(f"{path} has no state for rank {self.rank}: was it saved with a different world size?")
+        rank_state = torch.load(rank_file, weights_only=False)
+        set_rng_state(rank_state.pop("rng"))
+        trainer_state = json.loads((path / "trainer_state.json").read_text())
+        return trainer_state, rank_state

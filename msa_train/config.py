@@ -1,0 +1,196 @@
+"""Typed configuration: one dataclass per Hydra config group, registered with ConfigStore.
+
+Hydra merges the YAML in ``configs/`` and ``recipes/`` onto these schemas, so an unknown key or a
+value of the wrong type fails at composition. Everything else (allowed values, cross-field rules)
+is checked in ``__post_init__``, which runs when :func:`to_typed` turns the composed DictConfig into
+these objects, before the trainer builds anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from omegaconf import MISSING
+
+ATTENTION_NAMES = ("full", "nsa", "fmsa", "auto")
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
+PRECISIONS = ("auto", "bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "nccl", "gloo")
+LOGGERS = ("none", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def _at_least(key: str, value: Any, low: float, what: str = "") -> None:
+    if value is None or value < low:
+        raise ValueError(f"{key}={value!r} is not allowed; expected {what or f'a value >= {low}'}")
+
+
+@dataclass
+class ModelConfig:
+    """The HF model. Either ``path`` (a local HF checkpoint dir) or ``hf_config`` (config values)."""
+    name: str = "tiny_llama"
+    model_type: str = "llama"            # llama | qwen2 | qwen3: picks the HF class and the patch
+    path: Optional[str] = None           # local dir with config.json + safetensors (never downloaded)
+    hf_config: Dict[str, Any] = field(default_factory=dict)  # AutoConfig values when path is None
+
+    def __post_init__(self):
+        _choice("model.model_type", self.model_type, MODEL_TYPES)
+        if self.path is None and not self.hf_config:
+            raise ValueError("model: set model.path (a local HF checkpoint dir) or model.hf_config (config values)")
+
+
+@dataclass
+class AttentionConfig:
+    """Which attention the patched model runs. NSA sizes follow the NSA paper's names."""
+    name: str = "full"                   # full | nsa | fmsa | auto
+    cmp_block: int = 32                  # compression block l
+    cmp_stride: int = 16                 # compression stride d
+    slc_block: int = 64                  # selection block l'
+    slc_topk: int = 16                   # selected blocks n (incl. 1 initial + 2 local)
+    window: int = 512                    # sliding window w
+
+    def __post_init__(self):
+        _choice("attention.name", self.name, ATTENTION_NAMES)
+        if self.name != "full":
+            from flash_msa.nsa import check_nsa_sizes
+            try:
+                check_nsa_sizes(self.cmp_block, self.cmp_stride, self.slc_block, self.slc_topk, self.window)
+            except ValueError as e:
+                raise ValueError(f"attention: {e}") from None
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.name != "full"
+
+
+@dataclass
+class ParallelConfig:
+    """DeepSpeed ZeRO and memory options; the DeepSpeed JSON is generated from this."""
+    zero_stage: int = 0                  # 0 | 1 | 2 | 3
+    offload_optimizer: bool = False      # ZeRO >= 1: optimizer state in host memory
+    offload_params: bool = False         # ZeRO 3 only: parameters in host memory
+    activation_checkpointing: bool = False
+    sp_degree: int = 1                   # sequence parallel degree (Ulysses); only 1 today
+    backend: str = "auto"                # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+
+    def __post_init__(self):
+        _choice("parallel.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _choice("parallel.backend", self.backend, BACKENDS)
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("parallel.offload_optimizer=true needs parallel.zero_stage in 1, 2, 3")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("parallel.offload_params=true needs parallel.zero_stage=3")
+        _choice("parallel.sp_degree", self.sp_degree, (1,))
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, schedule, run directory, checkpointing."""
+    steps: int = 60
+    seq_len: int = 512                   # tokens per packed sequence (one per rank per micro step)
+    grad_accum: int = 1                  # micro steps per optimizer step
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1            # cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0               # 0 disables clipping
+    seed: int = 0
+    precision: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
+    device: str = "auto"                 # auto | cpu | cuda
+    loss_chunk_tokens: int = 4096        # tokens per chunk of the chunked linear cross-entropy
+    output_dir: str = "runs/${recipe_name}"
+    log_every: int = 1
+    save_every: int = 0                  # optimizer steps between checkpoints; 0 = only at the end
+    save_final: bool = True              # checkpoint at the last step
+    save_hf: bool = True                 # write an HF dir (config + safetensors) at the end
+    keep_checkpoints: int = 2            # newest complete checkpoints kept; 0 keeps all
+    resume: str = "none"                 # none | auto | path to a checkpoint dir
+    peak_tflops: Optional[float] = None  # per device, for MFU; None = known GPU table, CPU -> no MFU
+    progress: bool = True                # rich progress bar on rank 0
+
+    def __post_init__(self):
+        for key in ("steps", "seq_len", "grad_accum", "log_every", "loss_chunk_tokens"):
+            _at_least(f"train.{key}", getattr(self, key), 1, "an integer >= 1")
+        for key in ("warmup_steps", "save_every", "keep_checkpoints"):
+            _at_least(f"train.{key}", getattr(self, key), 0, "an integer >= 0")
+        if not self.lr > 0:
+            raise ValueError(f"train.lr={self.lr!r} is not allowed; expected a positive float")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio!r} is not allowed; expected a float in [0, 1]")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train.betas={list(self.betas)!r} is not allowed; expected two floats in [0, 1)")
+        _at_least("train.grad_clip", self.grad_clip, 0.0, "a float >= 0 (0 disables clipping)")
+        _choice("train.precision", self.precision, PRECISIONS)
+        _choice("train.device", self.device, DEVICES)
+        if self.resume not in ("none", "auto") and not self.resume:
+            raise ValueError("train.resume must be none, auto or a checkpoint directory")
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl: none or wandb (offline unless configured)."""
+    name: str = "none"                   # none | wandb
+    project: str = "msa-train"
+    run_name: Optional[str] = None
+    mode: Optional[str] = None           # offline | online | disabled; None = $WANDB_MODE or offline
+
+    def __post_init__(self):
+        _choice("logger.name", self.name, LOGGERS)
+        if self.mode is not None:
+            _choice("logger.mode", self.mode, WANDB_MODES)
+
+
+def _data_config_cls():
+    from msa_train.data import DataConfig
+    return DataConfig
+
+
+@dataclass
+class RootConfig:
+    """The whole run. ``recipe_name`` is set by the chosen recipe."""
+    # MISSING (not default instances): Hydra types each node from the annotation, and the group
+    # YAML fills it; __post_init__ of every part runs once, in to_typed().
+    model: ModelConfig = MISSING
+    attention: AttentionConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    data: Any = MISSING                  # msa_train.data.DataConfig (typed at registration)
+    train: TrainConfig = MISSING
+    logger: LoggerConfig = MISSING
+    recipe_name: str = "custom"
+
+    def __post_init__(self):
+        if self.train.seq_len % self.parallel.sp_degree != 0:
+            raise ValueError(f"train.seq_len={self.train.seq_len} must be divisible by parallel.sp_degree="
+                             f"{self.parallel.sp_degree}")
+        if self.attention.is_sparse and self.train.seq_len < self.attention.slc_block:
+            raise ValueError(f"train.seq_len={self.train.seq_len} must be >= attention.slc_block="
+                             f"{self.attention.slc_block}")
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (the primary config extends ``schema``)."""
+    import dataclasses
+
+    from hydra.core.config_store import ConfigStore
+
+    data_cls = _data_config_cls()
+    # Re-declare the root with the data field typed, so Hydra validates data keys too.
+    typed_root = dataclasses.make_dataclass(
+        "Config", [("data", data_cls, MISSING)], bases=(RootConfig,))
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=typed_root)
+
+
+def to_typed(cfg) -> RootConfig:
+    """DictConfig -> validated dataclasses (runs every ``__post_init__``)."""
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(cfg)
+    return obj

@@ -1,0 +1,120 @@
+"""Run observability: rich progress bar, metrics.jsonl, summary.json, optional wandb.
+
+Only rank 0 writes. Every figure logged to wandb is also in metrics.jsonl, under the same name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from msa_train.config import LoggerConfig
+
+# Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets), for MFU.
+_PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0,
+                     "L40S": 362.0, "A6000": 154.8, "4090": 165.2}
+
+
+def peak_tflops(device: torch.device, override: Optional[float]) -> Optional[float]:
+    """Per-device peak for MFU: the override, else the table for known GPUs, else None (no MFU)."""
+    if override is not None:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in _PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def model_flops_per_token(n_params: int, n_embedding: int, num_layers: int, attn_dim: int,
+                          mean_context: float) -> float:
+    """Training FLOPs per token of the dense-equivalent model (fwd + bwd = 3x fwd).
+
+    6 per matmul parameter (the input embedding is a lookup, not a matmul) plus causal attention
+    QK^T and PV: 2 matmuls x 2 FLOPs x attn_dim (HQ*D) x mean context, x3 for training.
+    """
+    return 6.0 * (n_params - n_embedding) + 12.0 * num_layers * attn_dim * mean_context
+
+
+class MetricsLogger:
+    """Writes metrics.jsonl (+ wandb) and drives the progress bar on rank 0."""
+
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, total_steps: int, start_step: int, enabled: bool,
+                 progress: bool, config_dict: Dict[str, Any]):
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self._wandb = None
+        self._progress = None
+        if not enabled:
+            return
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self._truncate_after(start_step)
+        self._file = open(self.metrics_path, "a", buffering=1)
+        if cfg.name == "wandb":
+            import wandb
+
+            # Offline unless the user says otherwise (logger.mode or $WANDB_MODE): tests need no account.
+            mode = cfg.mode or os.environ.get("WANDB_MODE", "offline")
+            self._wandb = wandb.init(project=cfg.project, name=cfg.run_name, dir=str(run_dir), mode=mode,
+                                     config=config_dict, resume="allow")
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  MFU {task.fields[mfu]}  "
+                           "mem {task.fields[mem]} GB"),
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step,
+                                                 loss="-", tps="-", mfu="-", mem="-")
+            self._progress.start()
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop records past the checkpoint so the file reads as one continuous run."""
+        if not self.metrics_path.exists():
+            return
+        keep = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        self.metrics_path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, record: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+        if self._progress is not None:
+            mfu = record.get("mfu")
+            self._progress.update(self._task, completed=record["step"], loss=f"{record['loss']:.4f}",
+                                  tps=f"{record['tokens_per_s']:,.0f}",
+                                  mfu="-" if mfu is None else f"{100 * mfu:.1f}%",
+                                  mem=f"{record['peak_memory_gb']:.2f}")
+
+    def advance(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def close(self, summary: Optional[Dict[str, Any]] = None) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.stop()
+        if summary is not None:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if self._wandb is not None:
+                self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()

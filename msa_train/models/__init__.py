@@ -1,0 +1,174 @@
+"""Model building and patching: HF Llama / Qwen2 / Qwen3 -> NSA (or varlen dense) models.
+
+``patch_model(model, attention_cfg)`` is the one call. It keeps every HF parameter name (so
+existing checkpoints load unchanged), adds ``self_attn.nsa`` (a ``flash_msa.NativeSparseAttention``)
+to every attention layer when the attention is sparse, installs the hidden-state pre-hook the NSA
+gates need, switches ``config._attn_implementation`` to one of our registered backends, and
+records the attention config in ``config.msa_attention`` so ``save_pretrained`` writes it to
+config.json and :func:`load_pretrained` rebuilds the same model.
+
+NSA parameter initialisation (``NativeSparseAttention.reset_parameters``): the compression maps
+start as mean pooling over the block with zero position encodings, the gate weights at 0 and the
+biases at -ln 2, so every gate starts at 1/3 and a pretrained dense model keeps most of its
+behaviour at step 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from msa_train.config import AttentionConfig, ModelConfig
+from msa_train.models import llama, qwen2, qwen3
+from msa_train.models.attention import FULL, NSA, register_attention_backends, stash_hidden_states
+from msa_train.models.family import ModelFamily
+
+# transformers renamed from_pretrained's torch_dtype to dtype in 4.56; pass whichever it expects.
+_DTYPE_KW = "dtype" if tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2]) >= (4, 56) \
+    else "torch_dtype"
+REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+_HOOKED = "_msa_hidden_hook"
+
+
+def family_of(config) -> ModelFamily:
+    """The registry entry for an HF config (keyed by ``config.model_type``)."""
+    if config.model_type not in REGISTRY:
+        raise ValueError(f"model_type={config.model_type!r} is not supported; choose one of: {', '.join(REGISTRY)}")
+    return REGISTRY[config.model_type]
+
+
+def _as_attention_cfg(cfg: Union[AttentionConfig, Mapping[str, Any], None]) -> AttentionConfig:
+    if cfg is None:
+        return AttentionConfig()
+    if isinstance(cfg, AttentionConfig):
+        return cfg
+    return AttentionConfig(**dict(cfg))
+
+
+def _head_dims(config):
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim
+
+
+def _set_attn_implementation(model: nn.Module, name: str) -> None:
+    # transformers 5 validates names through set_attn_implementation; 4.5x reads the config field.
+    if hasattr(model, "set_attn_implementation"):
+        try:
+            model.set_attn_implementation(name)
+            return
+        except (ValueError, ImportError, TypeError):
+            pass
+    model.config._attn_implementation = name
+
+
+def patch_model(model: nn.Module, attention_cfg: Union[AttentionConfig, Mapping[str, Any], None] = None) -> nn.Module:
+    """Turn an HF Llama / Qwen2 / Qwen3 causal LM into an msa_train model, in place.
+
+    Args:
+        model: a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (any device,
+            including meta).
+        attention_cfg: :class:`AttentionConfig` (or a dict of its fields); ``name="full"`` routes
+            to varlen dense attention, ``nsa`` / ``fmsa`` / ``auto`` add NSA modules.
+
+    Returns:
+        The same model. Patching twice with the same config is a no-op.
+    """
+    from flash_msa.nsa import NativeSparseAttention
+
+    cfg = _as_attention_cfg(attention_cfg)
+    family = family_of(model.config)
+    register_attention_backends()
+    hidden = model.config.hidden_size
+    num_heads, num_kv_heads, head_dim = _head_dims(model.config)
+    for attn in family.attention_modules(model):
+        if cfg.is_sparse and not hasattr(attn, "nsa"):
+            ref = attn.q_proj.weight
+            attn.nsa = NativeSparseAttention(
+                hidden, num_heads, num_kv_heads, head_dim, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
+                slc_block=cfg.slc_block, slc_topk=cfg.slc_topk, window=cfg.window, impl=cfg.name,
+                device=ref.device, dtype=ref.dtype)
+        if cfg.is_sparse:
+            attn.nsa.requested_impl = cfg.name
+        if not getattr(attn, _HOOKED, False):
+            attn.register_forward_pre_hook(stash_hidden_states, with_kwargs=True)
+            setattr(attn, _HOOKED, True)
+    _set_attn_implementation(model, NSA if cfg.is_sparse else FULL)
+    model.config.msa_attention = dataclasses.asdict(cfg)
+    return model
+
+
+def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Build (from ``hf_config`` values) or load (from the local ``path``) and patch the model.
+
+    Never downloads: ``path`` must be a local directory.
+    """
+    from transformers import AutoConfig
+
+    if model_cfg.path is not None:
+        return load_pretrained(model_cfg.path, attention_cfg, dtype=dtype)
+    values = dict(model_cfg.hf_config)
+    values.pop("model_type", None)
+    config = AutoConfig.for_model(model_cfg.model_type, **values)
+    family = family_of(config)
+    model = family.causal_lm_cls._from_config(config, **{_DTYPE_KW: dtype}) if hasattr(
+        family.causal_lm_cls, "_from_config") else family.causal_lm_cls(config).to(dtype)
+    return patch_model(model, attention_cfg)
+
+
+def load_pretrained(path: str, attention_cfg: Union[AttentionConfig, Mapping[str, Any], None] = None,
+                    dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load an HF checkpoint dir (ours, with NSA weights, or a plain HF one) and patch it.
+
+    The attention config is ``attention_cfg`` when given, else the ``msa_attention`` recorded in
+    config.json, else full attention. NSA weights present in the dir are loaded exactly; NSA
+    weights absent from it (a plain HF checkpoint) keep their documented initialisation.
+    """
+    import os
+
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise ValueError(f"model.path={path!r} is not a local directory (msa-train never downloads models)")
+    config = AutoConfig.from_pretrained(path)
+    family = family_of(config)
+    if attention_cfg is None:
+        attention_cfg = getattr(config, "msa_attention", None)
+    model = family.causal_lm_cls.from_pretrained(path, **{_DTYPE_KW: dtype})
+    recorded_nsa = (getattr(config, "msa_attention", None) or {}).get("name", "full") != "full"
+    patch_model(model, attention_cfg)
+    if recorded_nsa and _as_attention_cfg(attention_cfg).is_sparse:
+        _load_extra_weights(model, path)
+    return model
+
+
+def _load_extra_weights(model: nn.Module, path: str) -> None:
+    """Copy the ``*.nsa.*`` tensors of the safetensors files into the patched model."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    found = set()
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if ".nsa." in key and key in params:
+                    with torch.no_grad():
+                        params[key].copy_(f.get_tensor(key))
+                    found.add(key)
+    missing = [k for k in params if ".nsa." in k and k not in found]
+    if missing:
+        raise ValueError(f"{path}: config.json records NSA attention but {len(missing)} NSA tensors are missing, "
+                         f"e.g. {missing[0]}")
+
+
+def save_pretrained(model: nn.Module, path: str, state_dict: Optional[dict] = None) -> None:
+    """Write an HF dir (config.json with ``msa_attention`` + safetensors) that :func:`load_pretrained` reloads."""
+    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+
+
+__all__ = ["REGISTRY", "build_model", "family_of", "load_pretrained", "patch_model", "save_pretrained"]

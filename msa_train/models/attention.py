@@ -1,0 +1,131 @@
+"""msa_train's attention backends, registered with transformers' attention interface.
+
+The HF attention module computes q/k/v with its own projections, q/k norms and RoPE, then calls
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, **kwargs)``.
+We register two names:
+
+* ``msa_full``: dense causal attention that never crosses packed documents and never builds a
+  [T, T] mask. CUDA: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen, torch >= 2.10)
+  for packed bf16/fp16 batches; SDPA ``is_causal`` (cuDNN/flash) when a row holds one document.
+  CPU (and the rare CUDA fp32 case): SDPA ``is_causal`` per document, a loop over documents that
+  is only the fallback path.
+* ``msa_nsa``: ``flash_msa.NativeSparseAttention`` stored on the attention module as ``.nsa``.
+
+Gates need the layer's hidden states, which the interface call does not receive. A forward
+pre-hook on each attention module (:func:`stash_hidden_states`) stores them on the module for
+the duration of its forward; the NSA backend pops them. Activation checkpointing re-runs the
+module forward, so the hook runs again during recomputation.
+
+Packing metadata travels through the HF ``**kwargs`` that reach the attention call:
+``cu_seq_lens_q`` (int32 [N+1] on the model's device, FlashAttention convention) and
+``max_length_q`` (Python int).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+FULL = "msa_full"
+NSA = "msa_nsa"
+_HIDDEN = "_msa_hidden_states"
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    _VARLEN_GQA = "enable_gqa" in inspect.signature(_varlen_attn).parameters
+except ImportError:  # older torch: the SDPA paths below serve
+    _varlen_attn, _VARLEN_GQA = None, False
+
+
+def stash_hidden_states(module, args, kwargs):
+    """Forward pre-hook: keep the attention input [B, T, hidden] for the NSA gates."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    setattr(module, _HIDDEN, hidden)
+
+
+def _repeat_kv(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
+    return x if group == 1 else x.repeat_interleave(group, dim=dim)
+
+
+def _sdpa_causal(q, k, v, scale):
+    """q [B, HQ, T, D], k/v [B, HK, T, D] -> [B, HQ, T, D], causal within the whole row."""
+    group = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, group, 1), _repeat_kv(v, group, 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def full_attention_forward(module, query, key, value, attention_mask=None, scaling: Optional[float] = None,
+                           dropout: float = 0.0, cu_seq_lens_q: Optional[torch.Tensor] = None,
+                           max_length_q: Optional[int] = None, **kwargs):
+    """Dense causal attention restricted to each packed document.
+
+    Args:
+        query: [B, HQ, T, D]; key, value: [B, HK, T, D] (HF layout, after norms and RoPE).
+        attention_mask: ignored (no mask function is registered, HF passes None).
+        cu_seq_lens_q: optional int32 [N+1] document offsets (B == 1); None = one document per row.
+        max_length_q: longest document (int), needed by the varlen kernel.
+
+    Returns:
+        ([B, T, HQ, D], None)
+    """
+    B, HQ, T, D = query.shape
+    one_doc = cu_seq_lens_q is None or cu_seq_lens_q.numel() == 2  # shape only: no host sync
+    if one_doc:
+        out = _sdpa_causal(query, key, value, scaling)
+    elif (_varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
+        q = query[0].transpose(0, 1)  # [T, HQ, D]
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        group = HQ // k.shape[1]
+        extra = {}
+        if _VARLEN_GQA:
+            extra["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, group, 1), _repeat_kv(v, group, 1)
+        max_len = int(max_length_q) if max_length_q is not None else T
+        o = _varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_len, max_len, scale=scaling,
+                         window_size=(-1, 0), **extra)
+        return o.unsqueeze(0), None
+    else:
+        # CPU fallback: one SDPA per document. On CPU the offsets are host memory, so tolist() is no sync.
+        bounds = cu_seq_lens_q.tolist()
+        parts = [_sdpa_causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling)
+                 for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+        out = torch.cat(parts, dim=2)
+    return out.transpose(1, 2), None
+
+
+def nsa_attention_forward(module, query, key, value, attention_mask=None, scaling: Optional[float] = None,
+                          dropout: float = 0.0, cu_seq_lens_q: Optional[torch.Tensor] = None, **kwargs):
+    """Native Sparse Attention through the module's ``.nsa`` (flash_msa.NativeSparseAttention).
+
+    Args:
+        query: [B, HQ, T, D]; key, value: [B, HK, T, D].
+        cu_seq_lens_q: optional int32 [N+1] (B == 1).
+
+    Returns:
+        ([B, T, HQ, D], None)
+    """
+    hidden = getattr(module, _HIDDEN, None)
+    if hidden is None:
+        raise RuntimeError("msa_nsa attention called without hidden states: was the module patched by patch_model?")
+    setattr(module, _HIDDEN, None)  # drop the reference: the autograd graph keeps what it needs
+    nsa = module.nsa
+    # The Triton kernels need CUDA; anywhere else the PyTorch reference computes the same function.
+    nsa.impl = nsa.requested_impl if query.is_cuda else "reference"
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H, D]
+    o = nsa(hidden, q, k, v, cu_seqlens=cu_seq_lens_q, scale=scaling)
+    return o, None
+
+
+def register_attention_backends() -> None:
+    """Register ``msa_full`` and ``msa_nsa`` with transformers (idempotent).
+
+    No mask function is registered for them, so HF's mask builder returns None for these
+    backends (transformers >= 4.53) and no [T, T] mask is ever built.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FULL, full_attention_forward)
+    AttentionInterface.register(NSA, nsa_attention_forward)

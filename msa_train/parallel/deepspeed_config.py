@@ -1,0 +1,51 @@
+"""The DeepSpeed JSON, generated from the typed config (never written by hand beside it)."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from msa_train.config import ParallelConfig, TrainConfig
+
+
+def build_deepspeed_config(parallel: ParallelConfig, train: TrainConfig, *, world_size: int, bf16: bool,
+                           torch_adam: bool) -> Dict[str, Any]:
+    """DeepSpeed config dict for ZeRO ``parallel.zero_stage`` with AdamW and warmup + cosine LR.
+
+    Args:
+        world_size: data-parallel ranks (one packed sequence per rank per micro step).
+        bf16: train in bf16 with fp32 master weights (DeepSpeed's bf16 optimizer).
+        torch_adam: use torch's AdamW instead of DeepSpeed's FusedAdam / cpu_adam (those JIT-compile
+            C++/CUDA extensions on first use, minutes on a CPU-only machine).
+    """
+    zero: Dict[str, Any] = {"stage": parallel.zero_stage}
+    if parallel.zero_stage >= 1:
+        zero.update(contiguous_gradients=True, overlap_comm=False, reduce_scatter=True)
+    if parallel.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if parallel.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if parallel.zero_stage == 3:
+        # Gather every parameter per module call: no prefetch bucket heuristics, simplest memory model.
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": train.grad_accum,
+        "train_batch_size": train.grad_accum * world_size,
+        "gradient_clipping": train.grad_clip,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": train.lr, "betas": list(train.betas), "eps": 1e-8,
+                       "weight_decay": train.weight_decay, "torch_adam": torch_adam},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            # Linear warmup from lr / warmup_steps (step 0 trains too), then cosine to lr * min_lr_ratio.
+            "params": {"total_num_steps": train.steps, "warmup_num_steps": max(1, train.warmup_steps),
+                       "warmup_min_ratio": 1.0 / max(1, train.warmup_steps), "cos_min_ratio": train.min_lr_ratio, "warmup_type": "linear"},
+        },
+        "steps_per_print": 10 ** 9,  # our logger reports; keep DeepSpeed quiet
+        "wall_clock_breakdown": False,
+    }

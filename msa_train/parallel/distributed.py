@@ -1,0 +1,67 @@
+"""Process-group setup: one code path for no launcher, torchrun, deepspeed and accelerate launch.
+
+All of these launchers export RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT; without
+them we are a single process and create a 1-rank group ourselves (DeepSpeed needs a group), on a
+free local port.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> cuda when available, else cpu; an explicit cuda without CUDA is an error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but CUDA is not available; use train.device=auto or cpu")
+    return device
+
+
+def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
+    """Initialise torch.distributed (gloo on CPU, NCCL on CUDA unless ``backend`` says otherwise)."""
+    device_type = resolve_device(device)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""Parallelisation: activation checkpointing, ZeRO-3 leaf modules, and the DeepSpeed engine.
+
+We call DeepSpeed directly (``deepspeed.initialize`` / ``deepspeed.zero.Init``) rather than through
+accelerate's DeepSpeed plugin because the trainer needs the engine's own API that accelerate hides
+or re-wraps: ``save_checkpoint`` / ``load_checkpoint`` into our atomic temp directory with a fixed
+tag, the LR scheduler built from the generated JSON, ``get_global_grad_norm``, and ZeRO-3 leaf
+modules. Launchers (torchrun, deepspeed, accelerate launch) only set environment variables, which
+:mod:`msa_train.parallel.distributed` reads, so all three work unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict
+
+import torch
+import torch.nn as nn
+
+
+def model_init_context(zero_stage: int, ds_config: Dict[str, Any]):
+    """Context for building the model: ZeRO-3 partitions parameters at construction, so a model
+    larger than one device's memory is never materialised whole."""
+    if zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.Init(config_dict_or_path=ds_config)
+
+
+def parallelize(model: nn.Module, *, activation_checkpointing: bool, zero_stage: int) -> nn.Module:
+    """Apply memory/parallel transforms to the patched HF model (in place).
+
+    * Activation checkpointing: HF's per-decoder-layer checkpointing, non-reentrant (works with
+      ZeRO-3 and with the NSA hidden-state pre-hook, which re-runs during recomputation).
+    * ZeRO-3: NSA modules use their sub-modules' weights as tensors (compression maps, gate), so
+      they are ZeRO-3 leaf modules: all their parameters are gathered when the NSA module runs.
+    """
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if zero_stage == 3:
+        from deepspeed.utils import set_z3_leaf_modules
+        from flash_msa.nsa import NativeSparseAttention
+
+        if any(isinstance(m, NativeSparseAttention) for m in model.modules()):
+            set_z3_leaf_modules(model, [NativeSparseAttention])
+    return model
+
+
+def build_engine(model: nn.Module, ds_config: Dict[str, Any]):
+    """``deepspeed.initialize`` with the optimizer and LR scheduler described by ``ds_config``.
+
+    Returns:
+        (engine, optimizer, lr_scheduler)
+    """
+    import deepspeed
+
+    if not torch.cuda.is_available():
+        _skip_cpu_shm_comm_build()
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
+    return engine, optimizer, scheduler
+
+
+def _skip_cpu_shm_comm_build() -> None:
+    """Keep DeepSpeed's CPU comm backend from JIT-compiling its shared-memory all-reduce op.
+
+    On the CPU accelerator ``deepspeed.comm`` builds ``deepspeed_shm_comm`` (a C++ extension)
+    when it first initialises: about 3 minutes on a 2-core machine, for faster CPU collectives
+    that our gloo CPU runs do not need. Marking the op incompatible makes DeepSpeed use
+    torch.distributed's gloo collectives directly.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

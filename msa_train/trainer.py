@@ -1,0 +1,287 @@
+"""The Trainer: builds its parts in order, then runs ``train_step`` until ``train.steps``.
+
+Data per rank per micro step: one packed sequence (B = 1) of ``train.seq_len`` tokens with
+per-document ``position_ids`` and ``cu_seqlens``. One optimizer step = ``grad_accum`` micro steps on
+every rank. The loss is token-weighted across micro steps and ranks: every label token of the
+global batch has the same weight, however the documents fall into sequences.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from msa_train.checkpoint import CheckpointManager
+from msa_train.config import RootConfig
+from msa_train.loss import IGNORE_INDEX
+from msa_train.metrics import MetricsLogger, model_flops_per_token, peak_memory_gb, peak_tflops
+
+
+def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """HF-style labels (aligned with input_ids) -> per-position next-token targets.
+
+    Args:
+        labels: int64 [T], -100 where a token must not be predicted.
+        cu_seqlens: int32 [N+1] document offsets (CPU).
+
+    Returns:
+        int64 [T]: ``targets[t] = labels[t + 1]``, and -100 at the last token of every document
+        (its next token belongs to another document).
+    """
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:-1] = labels[1:]
+    targets[(cu_seqlens[1:].long() - 1).clamp_min(0)] = IGNORE_INDEX
+    return targets
+
+
+class Trainer:
+    """torchtitan-style trainer: ``__init__`` is the ordered list of ``_build_*`` steps."""
+
+    def __init__(self, cfg: RootConfig):
+        self.cfg = cfg
+        self._build_distributed()
+        self._build_data()
+        self._build_model()
+        self._build_parallelize()
+        self._build_optimizer()
+        self._build_checkpoint()
+        self._build_logger()
+
+    # ------------------------------------------------------------------ build
+    def _build_distributed(self) -> None:
+        from msa_train.parallel import build_deepspeed_config, init_distributed
+
+        cfg = self.cfg
+        self.dist = init_distributed(cfg.train.device, cfg.parallel.backend)
+        self.device = self.dist.device
+        precision = cfg.train.precision
+        if precision == "auto":
+            precision = "bf16" if self.device.type == "cuda" else "fp32"
+        self.bf16 = precision == "bf16"
+        self.ds_config = build_deepspeed_config(
+            cfg.parallel, cfg.train, world_size=self.dist.world_size, bf16=self.bf16,
+            torch_adam=self.device.type != "cuda")
+        self.run_dir = Path(cfg.train.output_dir).resolve()
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.train.seed)  # identical model init on every rank
+
+    def _build_data(self) -> None:
+        from msa_train import data
+
+        cfg = self.cfg
+        self.tokenizer = data.build_tokenizer(cfg.data, cfg.model.path)
+        self.dataset = data.build_packed_dataset(cfg.data, self.tokenizer, cfg.train.seq_len)
+        self.sampler = data.ResumableSampler(len(self.dataset), seed=cfg.data.seed, rank=self.dist.rank,
+                                             world_size=self.dist.world_size)
+        self._sampler_iter = iter(self.sampler)
+
+    def _build_model(self) -> None:
+        from msa_train.models import build_model
+        from msa_train.parallel import model_init_context
+
+        cfg = self.cfg
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        with model_init_context(cfg.parallel.zero_stage, self.ds_config):
+            self.model = build_model(cfg.model, cfg.attention, dtype=torch.float32)
+        if len(self.tokenizer) > self.model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but model vocab_size is "
+                             f"{self.model.config.vocab_size} (tokenizer vocab {vocab}): set model.hf_config.vocab_size")
+        self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
+        emb = self.model.get_input_embeddings().weight
+        self.n_embedding = getattr(emb, "ds_numel", emb.numel())
+
+    def _build_parallelize(self) -> None:
+        from msa_train.models.causal_lm import CausalLMWithLoss
+        from msa_train.parallel import parallelize
+
+        cfg = self.cfg
+        parallelize(self.model, activation_checkpointing=cfg.parallel.activation_checkpointing,
+                    zero_stage=cfg.parallel.zero_stage)
+        self.module = CausalLMWithLoss(self.model, cfg.train.loss_chunk_tokens)
+
+    def _build_optimizer(self) -> None:
+        from msa_train.parallel import build_engine
+
+        self.engine, self.optimizer, self.lr_scheduler = build_engine(self.module, self.ds_config)
+        # DeepSpeed's WarmupCosineLR starts at iteration -1, i.e. lr = 0 for the first step; start
+        # it at iteration 0 so every step trains (the engine steps it after each optimizer step).
+        if self.lr_scheduler.last_batch_iteration < 0:
+            self.lr_scheduler.step(0)
+
+    def _build_checkpoint(self) -> None:
+        cfg = self.cfg
+        self.step = 0
+        self.tokens_seen = 0
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.dist.rank, cfg.train.keep_checkpoints)
+        path = self.ckpt.resolve(cfg.train.resume)
+        self.resumed_from = None
+        if path is not None:
+            trainer_state, rank_state = self.ckpt.load(self.engine, path)
+            self.step = trainer_state["step"]
+            self.tokens_seen = trainer_state["tokens_seen"]
+            self.sampler.load_state_dict(rank_state["sampler"])
+            self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)  # re-apply the restored rate
+            self._sampler_iter = iter(self.sampler)
+            self.resumed_from = str(path)
+
+    def _build_logger(self) -> None:
+        cfg = self.cfg
+        cfg_dict = dataclasses.asdict(cfg)
+        if self.dist.is_main:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str))
+            (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
+        self.logger = MetricsLogger(self.run_dir, cfg.logger, cfg.train.steps, self.step, self.dist.is_main,
+                                    cfg.train.progress, cfg_dict)
+        self.peak_tflops = peak_tflops(self.device, cfg.train.peak_tflops)
+        hf = self.model.config
+        self._num_layers = hf.num_hidden_layers
+        self._attn_dim = hf.num_attention_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+
+    # ------------------------------------------------------------------ data
+    def _next_item(self) -> Dict[str, Any]:
+        try:
+            index = next(self._sampler_iter)
+        except StopIteration:  # epoch boundary: the sampler moves to its next epoch's order
+            self._sampler_iter = iter(self.sampler)
+            index = next(self._sampler_iter)
+        return self.dataset[index]
+
+    def _next_batch(self) -> Dict[str, Any]:
+        """One micro-batch on the host: validated once here so the model runs with trusted inputs."""
+        from flash_msa.utils.validation import check_cu_seqlens
+
+        item = self._next_item()
+        input_ids, cu = item["input_ids"], item["cu_seqlens"]
+        check_cu_seqlens(cu, 1, input_ids.shape[0], torch.device("cpu"))
+        lengths = (cu[1:] - cu[:-1]).double()
+        return {
+            "input_ids": input_ids[None],
+            "position_ids": item["position_ids"][None],
+            "targets": next_token_targets(item["labels"], cu)[None],
+            "cu_seqlens": cu,
+            "max_seqlen": int(item["max_seqlen"]),
+            # mean causal context per token, for the MFU's attention FLOPs (host math, no sync)
+            "mean_context": float((lengths * (lengths + 1) / 2).sum() / input_ids.shape[0]),
+        }
+
+    # ------------------------------------------------------------------ step
+    def train_step(self) -> Dict[str, Any]:
+        """One optimizer step. Returns device tensors and host floats; nothing here syncs the host."""
+        from flash_msa import trusted_inputs
+
+        gas, world = self.cfg.train.grad_accum, self.dist.world_size
+        lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step's update uses
+        # 1. batch: all micro-batches of this step, on the host.
+        micro = [self._next_batch() for _ in range(gas)]
+        # Token-weighted loss: divide by the label tokens of the whole global batch. Counted on the
+        # host, summed across ranks on the device (a collective, not a host sync).
+        n_local = sum(int((m["targets"] != IGNORE_INDEX).sum()) for m in micro)
+        n_global = torch.tensor(float(n_local), device=self.device)
+        dist.all_reduce(n_global)
+        loss_sum = torch.zeros((), device=self.device)
+        for m in micro:
+            batch = {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v)
+                     for k, v in m.items() if k != "mean_context"}
+            # 2. forward (cu_seqlens already validated on the host: skip per-layer value checks).
+            with trusted_inputs():
+                micro_loss_sum = self.engine(**batch)
+            # DeepSpeed averages gradients over ranks and divides by grad_accum; undo both so the
+            # gradient is that of (sum of token losses) / (global label tokens).
+            loss = micro_loss_sum * (world * gas) / n_global.clamp_min(1.0)
+            # 3. backward, 4. step (DeepSpeed steps the optimizer and LR at the accumulation boundary).
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum = loss_sum + micro_loss_sum.detach()
+        self.step += 1
+        tokens = gas * world * self.cfg.train.seq_len
+        self.tokens_seen += tokens
+        return {"loss_sum": loss_sum, "n_global": n_global, "tokens": tokens, "lr": lr,
+                "mean_context": sum(m["mean_context"] for m in micro) / gas}
+
+    def _log(self, out: Dict[str, Any], elapsed: float, tokens: int) -> Dict[str, Any]:
+        loss_sum = out["loss_sum"].clone()
+        dist.all_reduce(loss_sum)
+        # host syncs, logging only
+        loss = (loss_sum / out["n_global"].clamp_min(1.0)).item()
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        tokens_per_s = tokens / max(elapsed, 1e-9)
+        mfu = None
+        if self.peak_tflops:
+            flops = model_flops_per_token(self.n_params, self.n_embedding, self._num_layers, self._attn_dim,
+                                          out["mean_context"])
+            mfu = flops * tokens_per_s / (self.peak_tflops * 1e12 * self.dist.world_size)
+        record = {"step": self.step, "loss": loss, "lr": out["lr"],
+                  "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                  "peak_memory_gb": peak_memory_gb(self.device), "tokens_seen": self.tokens_seen,
+                  "elapsed_s": time.perf_counter() - self._t0}
+        self.logger.log(record)
+        return record
+
+    # ------------------------------------------------------------------ loop
+    def _save(self) -> None:
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "recipe": self.cfg.recipe_name,
+                         "world_size": self.dist.world_size}
+        self.ckpt.save(self.engine, self.step, trainer_state, {"sampler": self.sampler.state_dict()})
+
+    def train(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
+        """Run to ``train.steps`` (or stop after step ``stop_after``, checkpointing there)."""
+        cfg = self.cfg.train
+        self.module.train()
+        self._t0 = time.perf_counter()
+        records: List[Dict[str, Any]] = []
+        t_last, tokens_since = time.perf_counter(), 0
+        last = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
+        while self.step < last:
+            out = self.train_step()
+            tokens_since += out["tokens"]
+            # 5. log: the only host syncs of the loop, every log_every steps.
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                now = time.perf_counter()
+                records.append(self._log(out, now - t_last, tokens_since))
+                t_last, tokens_since = now, 0
+            else:
+                self.logger.advance(self.step)
+            if (cfg.save_every and self.step % cfg.save_every == 0) or \
+                    (self.step == last and (cfg.save_final or stop_after is not None)):
+                self._save()
+        summary = self._summary(records)
+        if self.step == cfg.steps and cfg.save_hf:
+            self._save_hf()
+        self.logger.close(summary if self.step == cfg.steps else None)
+        return summary
+
+    def _save_hf(self) -> None:
+        """Write ``<run>/hf`` (config.json with msa_attention + safetensors), reloadable by load_pretrained."""
+        from msa_train.models import save_pretrained
+
+        if self.cfg.parallel.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective
+            state = {k[len("lm."):]: v for k, v in (state or {}).items()}
+        else:
+            state = None
+        if self.dist.is_main:
+            save_pretrained(self.model, str(self.run_dir / "hf"), state_dict=state)
+            self.tokenizer.save_pretrained(str(self.run_dir / "hf"))
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _summary(self, records: List[Dict[str, Any]]) -> Dict[str, Any]:
+        losses = [r["loss"] for r in records]
+        tps = [r["tokens_per_s"] for r in records[1:]] or [r["tokens_per_s"] for r in records]
+        return {
+            "recipe": self.cfg.recipe_name, "attention": self.cfg.attention.name, "steps": self.step,
+            "world_size": self.dist.world_size, "device": str(self.device), "n_params": self.n_params,
+            "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+            "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
+            "peak_memory_gb": peak_memory_gb(self.device), "wall_time_s": time.perf_counter() - self._t0,
+            "tokens_seen": self.tokens_seen, "resumed_from": self.resumed_from,
+        }

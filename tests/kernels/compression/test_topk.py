@@ -1,0 +1,94 @@
+"""Fused streaming top-n selection against flash_msa.reference, compared as sets.
+
+A difference between the sets is accepted only for near-ties: every block chosen by one side
+and not the other must have a score within 1e-4 of the n-th best score (the threshold).
+"""
+import pytest
+import torch
+
+from flash_msa import reference
+from flash_msa.compression.naive import _compressed_scores, _visible, block_overlap
+from flash_msa.compression.topk import select_blocks, tile_table
+from flash_msa.utils.varlen import token_seq_bounds
+
+GROUPS = {"G1": (2, 2), "G3": (6, 2), "G4": (8, 2), "G5": (10, 2), "G8": (8, 1), "G16": (16, 1)}
+SEQS = {"varlen": [0, 5, 40, 41, 130, 200], "one-seq-190": [0, 190], "first-blocks": [0, 3, 31, 32, 70, 97]}
+
+
+def _block_scores(q, k_cmp, lse, cu, cu_cmp, l, d, lp, scale):
+    """fp64 [T, HK, n_blocks] scores with forced blocks +inf and non-candidates -inf (the reference's rule)."""
+    T, HQ, D = q.shape
+    Tc, HK = k_cmp.shape[:2]
+    start, row0, n_vis = _visible(cu, cu_cmp, T, Tc, l, d, q.device)
+    s, mask = _compressed_scores(q, k_cmp, row0, n_vis, scale, torch.float64)
+    p = torch.exp(s - lse.double().view(T, HK, HQ // HK, 1)) * mask
+    rows = torch.arange(Tc, device=q.device)
+    seq = torch.searchsorted(cu_cmp[1:].long(), rows, right=True).clamp_max(cu_cmp.numel() - 2)
+    i_rel = rows - cu_cmp.long()[seq]
+    nb = -(-T // lp)
+    w = block_overlap(max(Tc, 1), nb, l, d, lp, q.device, torch.float64)[i_rel.clamp_min(0)]
+    score = p.sum(2) @ w
+    own = ((torch.arange(T, device=q.device) - start) // lp)[:, None, None]
+    j = torch.arange(nb, device=q.device)
+    score = torch.where((j == 0) | (j == own) | (j == own - 1), torch.full_like(score, float("inf")), score)
+    return torch.where(j <= own, score, torch.full_like(score, float("-inf")))
+
+
+def _check(cu_list, HQ, HK, D, n, lp, device, l=32, d=16):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+    T = cu_list[-1]
+    q = torch.randn(T, HQ, D, device=device, dtype=dtype)
+    k = torch.randn(T, HK, D, device=device, dtype=dtype)
+    kc, cu_cmp = reference.compress_kv(k, torch.randn(HK, l * D, D, device=device, dtype=dtype) / (l * D) ** 0.5,
+                                       torch.zeros(HK, l, D, device=device, dtype=dtype), cu, l, d)
+    scale = D ** -0.5
+    _, lse = reference.compressed_attention(q, kc, kc, cu, cu_cmp, l, d, scale)
+    idx = select_blocks(q, kc, lse, cu, cu_cmp, l, d, lp, n, scale)
+    ref = reference.select_blocks(q, kc, lse, cu, cu_cmp, l, d, lp, n, scale)
+    assert idx.shape == ref.shape == (T, HK, n) and idx.dtype == torch.int32
+    # the order contract: ascending, -1 padded
+    srt = torch.where(idx < 0, torch.full_like(idx, 1 << 30), idx)
+    assert torch.equal(srt, srt.sort(-1).values)
+    assert torch.equal((idx >= 0).sum(-1), (ref >= 0).sum(-1))
+    diff = (idx != ref).any(-1).nonzero().tolist()
+    if diff:
+        score = _block_scores(q, kc, lse, cu, cu_cmp, l, d, lp, scale)
+        for t, h in diff:
+            a, b = set(idx[t, h].tolist()) - {-1}, set(ref[t, h].tolist()) - {-1}
+            thr = score[t, h].sort(descending=True).values[len(b) - 1]
+            for j in a ^ b:
+                assert abs(score[t, h, j] - thr) <= 1e-4, f"token {t} head {h}: block {j} is no near-tie"
+    return idx
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_select_blocks_groups(group, device):
+    HQ, HK = GROUPS[group]
+    _check(SEQS["varlen"], HQ, HK, 16, 4, 32, device)
+
+
+@pytest.mark.parametrize("n,lp", [(1, 64), (3, 32), (16, 64), (5, 128)], ids=["n1", "n3-l32", "n16", "n5-l128"])
+def test_select_blocks_sizes(n, lp, device):
+    _check(SEQS["one-seq-190"], 4, 2, 32, n, lp, device)
+
+
+def test_select_blocks_first_blocks_and_short_sequences(device):
+    _check(SEQS["first-blocks"], 10, 2, 16, 3, 32, device)
+
+
+def test_select_blocks_small_stride_d64(device):
+    _check([0, 100, 170], 4, 2, 64, 6, 32, device, l=16, d=8)
+
+
+def test_tile_table_never_crosses_sequences(device):
+    cu = torch.tensor([0, 5, 5, 70, 200], dtype=torch.int32, device=device)
+    seq, t0 = tile_table(cu, 200, 32)
+    start, end = token_seq_bounds(cu, 200)
+    covered = torch.zeros(200, dtype=torch.int64, device=device)
+    for s, t in zip(seq.tolist(), t0.tolist()):
+        e = min(t + 32, cu[s + 1].item())
+        if t < e:
+            assert start[t] == cu[s] and end[t] == cu[s + 1]
+            covered[t:e] += 1
+    assert (covered == 1).all()

@@ -52,6 +52,15 @@ def register_recipes() -> None:
         cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
+def register_all() -> None:
+    """Schemas, recipes and the help page, in Hydra's ConfigStore (idempotent)."""
+    from msa_train.config import register_configs
+
+    register_configs()
+    register_recipes()
+    _register_help(HELP.replace("{recipes}", _recipe_lines()))
+
+
 def run(cfg) -> dict:
     """Validate the composed config and train. Returns the run summary."""
     from msa_train.config import to_typed
@@ -74,11 +83,7 @@ def _quiet_libraries() -> None:
 def main() -> None:
     import hydra
 
-    from msa_train.config import register_configs
-
-    register_configs()
-    register_recipes()
-    _register_help(HELP.replace("{recipes}", _recipe_lines()))
+    register_all()
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
     def _app(cfg) -> None:

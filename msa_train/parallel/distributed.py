@@ -45,11 +45,17 @@ def resolve_device(device: str) -> str:
 def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     """Initialise torch.distributed (gloo on CPU, NCCL on CUDA unless ``backend`` says otherwise)."""
     device_type = resolve_device(device)
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        init_method = "env://"
+    else:
+        # No launcher: a private 1-rank group. Not exported through RANK/MASTER_PORT, so child
+        # processes (e.g. a launcher started from this one) do not mistake themselves for rank 0.
+        rank, world, local_rank = 0, 1, 0
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))  # DeepSpeed's engine reads it
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
@@ -58,7 +64,7 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
 
 

@@ -1,0 +1,60 @@
+"""Helpers for the trainer tests: compose configs through Hydra exactly like the CLI does."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small but real: the tiny recipe's model and data, fewer documents so tokenisation is quick.
+FAST = ["data.num_docs=48", "train.progress=false", "train.save_hf=false"]
+
+
+def compose(overrides: Sequence[str] = ()):
+    """Compose + validate the config for ``overrides`` (the same path as ``msa-train``)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from msa_train.cli import CONFIG_DIR, register_all
+    from msa_train.config import to_typed
+
+    register_all()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return to_typed(cfg)
+
+
+def train(overrides: Sequence[str], stop_after=None):
+    """Run the trainer in this process; returns (summary, metrics records)."""
+    from msa_train.trainer import Trainer
+
+    cfg = compose(list(overrides))
+    summary = Trainer(cfg).train(stop_after=stop_after)
+    return summary, read_metrics(Path(cfg.train.output_dir))
+
+
+def read_metrics(run_dir: Path) -> List[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def env() -> dict:
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    e = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO / "kernels"), str(REPO), e.get("PYTHONPATH", "")])
+    e.setdefault("DS_ACCELERATOR", "cpu")
+    e.setdefault("WANDB_MODE", "offline")
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def run_cli(args: Sequence[str], extra_env=None, launcher: Sequence[str] = (), timeout=300):
+    """``python -m msa_train.cli ARGS`` (optionally under a launcher such as torchrun) in a subprocess."""
+    e = env()
+    e.update(extra_env or {})
+    cmd = [*launcher, "-m", "msa_train.cli", *args] if launcher else [sys.executable, "-m", "msa_train.cli", *args]
+    return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)

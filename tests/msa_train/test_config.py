@@ -1,0 +1,70 @@
+"""Config errors fail before any work, naming the key and the allowed values; every recipe composes."""
+import pytest
+
+from msa_train.config import ParallelConfig, TrainConfig
+from msa_train.parallel import build_deepspeed_config
+from tests.msa_train._util import compose, run_cli
+
+RECIPES = ["tiny", "tiny_qwen3", "llama3_8b_64k", "qwen3_14b_1m", "qwen25_32b_128k", "llama3_8b_sft_longdoc"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    extra = [] if recipe.startswith("tiny") else ["data.path=/data/docs.jsonl"]
+    cfg = compose([f"recipe={recipe}", *extra])
+    assert cfg.recipe_name == recipe
+    assert cfg.model.hf_config or cfg.model.path
+
+
+def test_bare_config_is_tiny_with_nsa():
+    cfg = compose([])
+    assert cfg.recipe_name == "tiny" and cfg.model.model_type == "llama" and cfg.attention.name == "nsa"
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("attention.name=sparse", "attention.name='sparse' is not allowed; choose one of: full, nsa, fmsa, auto"),
+    ("parallel.zero_stage=4", "parallel.zero_stage=4 is not allowed; choose one of: 0, 1, 2, 3"),
+    ("train.precision=fp8", "train.precision='fp8' is not allowed; choose one of: auto, bf16, fp32"),
+    ("logger.name=tensorboard", "logger.name='tensorboard' is not allowed; choose one of: none, wandb"),
+    ("model.model_type=gpt2", "model.model_type='gpt2' is not allowed; choose one of: llama, qwen2, qwen3"),
+    ("attention.slc_block=48", "slc_block must be one of (16, 32, 64, 128)"),
+    ("parallel.offload_params=true", "parallel.offload_params=true needs parallel.zero_stage=3"),
+])
+def test_bad_value_names_key_and_choices(override, expected):
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        compose([override])
+
+
+def test_unknown_key_and_type_errors_are_caught_at_composition():
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ConfigKeyError
+
+    with pytest.raises((ConfigCompositionException, ConfigKeyError), match="train.stepz"):
+        compose(["train.stepz=3"])
+    with pytest.raises(ConfigCompositionException, match="train.steps"):
+        compose(["train.steps=many"])
+
+
+def test_cli_reports_errors_before_any_work_and_help_lists_recipes(tmp_path):
+    out = run_cli(["attention=sparse", f"train.output_dir={tmp_path / 'run'}"])
+    assert out.returncode != 0
+    assert "Available options in 'attention'" in out.stderr and "fmsa" in out.stderr
+    out = run_cli(["train.seq_len=0", f"train.output_dir={tmp_path / 'run'}"])
+    assert out.returncode != 0 and "train.seq_len=0 is not allowed" in out.stderr
+    assert not (tmp_path / "run").exists()  # failed before creating anything
+    out = run_cli(["--help"])
+    assert out.returncode == 0
+    for recipe in RECIPES:
+        assert recipe in out.stdout
+
+
+def test_deepspeed_json_is_generated_from_the_typed_config():
+    ds = build_deepspeed_config(ParallelConfig(zero_stage=3, offload_optimizer=True, offload_params=True),
+                                TrainConfig(grad_accum=4, grad_clip=0.5, lr=1e-4, steps=100, warmup_steps=10),
+                                world_size=8, bf16=True, torch_adam=False)
+    assert ds["train_batch_size"] == 32 and ds["gradient_accumulation_steps"] == 4
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"]
+    assert ds["scheduler"]["type"] == "WarmupCosineLR" and ds["scheduler"]["params"]["total_num_steps"] == 100

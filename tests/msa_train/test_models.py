@@ -1,0 +1,102 @@
+"""Model patching: HF Llama / Qwen2 / Qwen3 -> msa_train models, document isolation, HF round trip."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from msa_train import patch_model
+from msa_train.config import AttentionConfig, ModelConfig
+from msa_train.loss import chunked_linear_cross_entropy_sum
+from msa_train.models import build_model, load_pretrained, save_pretrained
+
+SMALL_NSA = dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=4, window=32)
+TINY = {
+    "llama": dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    "qwen2": dict(vocab_size=97, hidden_size=80, intermediate_size=128, num_hidden_layers=2, num_attention_heads=5,
+                  num_key_value_heads=1, tie_word_embeddings=False),
+    "qwen3": dict(vocab_size=97, hidden_size=80, intermediate_size=128, num_hidden_layers=2, num_attention_heads=10,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+}
+
+
+def _model(model_type, attention):
+    return build_model(ModelConfig(model_type=model_type, hf_config=TINY[model_type]),
+                       AttentionConfig(name=attention, **SMALL_NSA))
+
+
+def _packed(T=160, bounds=(0, 37, 111, 160), vocab=97):
+    ids = torch.randint(0, vocab, (1, T))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    pos = torch.cat([torch.arange(e - s) for s, e in zip(bounds[:-1], bounds[1:])])[None]
+    return ids, pos, cu
+
+
+@pytest.mark.parametrize("attention", ["full", "nsa"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_packed_documents_do_not_attend_across_boundaries(model_type, attention):
+    """Each packed document's hidden states equal those of the document run alone."""
+    model = _model(model_type, attention).eval()
+    ids, pos, cu = _packed()
+    with torch.no_grad():
+        packed = model.model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, max_length_q=74).last_hidden_state
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            alone = model.model(input_ids=ids[:, s:e], position_ids=pos[:, s:e]).last_hidden_state
+            torch.testing.assert_close(packed[:, s:e], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_patch_keeps_hf_parameter_names_and_adds_nsa():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**TINY["llama"]))
+    before = set(dict(model.named_parameters()))
+    patch_model(model, {"name": "fmsa", **SMALL_NSA})
+    after = set(dict(model.named_parameters()))
+    assert before <= after
+    added = sorted(after - before)
+    assert "model.layers.0.self_attn.nsa.compress_k.weight" in added
+    assert "model.layers.1.self_attn.nsa.gate.bias" in added
+    assert all(".self_attn.nsa." in name for name in added)
+    assert model.config._attn_implementation == "msa_nsa"
+    assert model.config.msa_attention["name"] == "fmsa"
+    gate = model.model.layers[0].self_attn.nsa.gate
+    assert torch.all(gate.weight == 0) and torch.allclose(torch.sigmoid(gate.bias), torch.full_like(gate.bias, 1 / 3))
+
+
+@pytest.mark.parametrize("model_type, attention", [("llama", "nsa"), ("qwen3", "fmsa"), ("llama", "full")])
+def test_hf_save_reload_round_trip(tmp_path, model_type, attention):
+    """save_pretrained -> load_pretrained (HF from_pretrained + patch_model) gives the same logits."""
+    torch.manual_seed(1)
+    model = _model(model_type, attention).eval()
+    with torch.no_grad():  # move NSA params off their init so a missed load would show
+        for name, p in model.named_parameters():
+            if ".nsa." in name:
+                p.add_(0.05 * torch.randn_like(p))
+    save_pretrained(model, str(tmp_path))
+    assert (tmp_path / "config.json").is_file() and (tmp_path / "model.safetensors").is_file()
+    reloaded = load_pretrained(str(tmp_path)).eval()
+    assert reloaded.config.msa_attention["name"] == attention
+    sd, sd2 = model.state_dict(), reloaded.state_dict()
+    assert sd.keys() == sd2.keys()
+    for k in sd:
+        torch.testing.assert_close(sd2[k], sd[k], rtol=0, atol=0, msg=k)
+    ids, pos, cu = _packed()
+    with torch.no_grad():
+        kw = dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, max_length_q=74)
+        torch.testing.assert_close(reloaded(**kw).logits, model(**kw).logits, rtol=0, atol=0)
+
+
+def test_chunked_linear_cross_entropy_matches_full_logits():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 50, bias=False)
+    hidden = torch.randn(1, 77, 32, requires_grad=True)
+    labels = torch.randint(0, 50, (1, 77))
+    labels[0, ::5] = -100
+    loss = chunked_linear_cross_entropy_sum(head, hidden, labels, chunk_tokens=16)
+    loss.backward()
+    g_h, g_w = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    ref = F.cross_entropy(head(hidden).view(-1, 50), labels.view(-1), ignore_index=-100, reduction="sum")
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_h, hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_w, head.weight.grad, rtol=1e-5, atol=1e-6)

@@ -59,21 +59,17 @@ def _bitonic_sort(x, R: tl.constexpr, LOG_M: tl.constexpr, DESC: tl.constexpr):
     # sorts each row of x [R, 2**LOG_M]; written with reshape/split/join (no reductions), which
     # compiles the same on every Triton and runs fast in the interpreter
     for i in tl.static_range(1, LOG_M + 1):
-        for jj in tl.static_range(0, i):
-            j: tl.constexpr = i - 1 - jj
-            A: tl.constexpr = (1 << LOG_M) >> (j + 1)
-            flip = ((tl.arange(0, A) >> (i - j - 1)) & 1) ^ DESC
-            x = _compare_swap(x, flip, R, A, 1 << j)
+        for jj in tl.static_range(0, i):  # distance 2**j with j = i - 1 - jj; A = 2**LOG_M / 2**(j+1) groups
+            flip = ((tl.arange(0, (1 << LOG_M) >> (i - jj)) >> jj) & 1) ^ DESC
+            x = _compare_swap(x, flip, R, (1 << LOG_M) >> (i - jj), 1 << (i - 1 - jj))
     return x
 
 
 @triton.jit
 def _bitonic_merge_desc(x, R: tl.constexpr, LOG_M: tl.constexpr):
     # x [R, 2**LOG_M] bitonic rows -> sorted descending
-    for jj in tl.static_range(0, LOG_M):
-        j: tl.constexpr = LOG_M - 1 - jj
-        A: tl.constexpr = (1 << LOG_M) >> (j + 1)
-        x = _compare_swap(x, tl.full([A], 1, tl.int32), R, A, 1 << j)
+    for jj in tl.static_range(0, LOG_M):  # distance 2**(LOG_M - 1 - jj), 2**jj groups
+        x = _compare_swap(x, tl.full([1 << jj], 1, tl.int32), R, 1 << jj, 1 << (LOG_M - 1 - jj))
     return x
 
 

@@ -1,0 +1,372 @@
+"""Whole-NSA benchmark on one GPU: Triton NSA (forward + backward) against dense causal SDPA.
+
+For each model shape (Llama3-8B: HQ 32 / HK 8, Qwen3-14B: HQ 40 / HK 8; D 128) it
+  1. checks correctness first, at --check-T (default 8K, the full head shape): the Triton NSA
+     (bf16) against flash_msa.reference.nsa_attention (fp32 on the same bf16 inputs): o and every
+     gradient, and the top-k sets of the Triton selection against the reference selection.
+     The fp32 reference is too slow and too large at 64K+, so the check runs at a mid size;
+  2. for every T: whole NSA forward and forward + backward, a per-branch breakdown (compress,
+     compressed attention, top-k, selected, window, gates; each timed alone, fwd + bwd except
+     top-k which has no backward), peak memory, and dense causal SDPA with the cuDNN and the
+     flash backends (fwd + bwd).
+NSA defaults: l=32, d=16, l'=64, n=16, w=512. Inputs: random bf16, never zero.
+Timing: triton.testing.do_bench (median) up to --do-bench-max-t; above it (where one call takes
+seconds) the median of --reps CUDA-event-timed calls after one warm-up call.
+
+Usage (repo root, on the GPU machine):
+    PYTHONPATH=kernels:. python scripts/bench_nsa.py --out OUTDIR [--Ts 8192,...] [--models llama3_8b,qwen3_14b]
+    python scripts/bench_nsa.py --plot-only OUTDIR/nsa_h200.json   # re-render the PNG and table
+Writes OUTDIR/nsa_h200.{json,md,png}; results are written after every measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+MODELS = {"llama3_8b": (32, 8, 128), "qwen3_14b": (40, 8, 128)}
+SIZES = dict(cmp_block=32, cmp_stride=16, slc_block=64, slc_topk=16, window=512)
+BRANCH_NAMES = ("compress", "cmp_attn", "topk", "selected", "window", "gates")
+
+
+def rel_rms(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_inputs(T, HQ, HK, D, device, seed=0):
+    import torch
+    gen = torch.Generator(device=device).manual_seed(seed)
+    l = SIZES["cmp_block"]
+
+    def rnd(*shape, s=1.0, dtype=torch.bfloat16):  # random, never zero
+        x = torch.randn(*shape, device=device, generator=gen) * s
+        return torch.where(x.abs() < 1e-3 * s, torch.full_like(x, 1e-3 * s), x).to(dtype)
+
+    q, k, v = rnd(1, T, HQ, D), rnd(1, T, HK, D), rnd(1, T, HK, D)
+    gates = torch.sigmoid(rnd(1, T, HQ, 3, dtype=torch.float32))
+    mean = (torch.eye(D, device=device) / l).repeat(l, 1).expand(HK, -1, -1)
+    kw, vw = ((mean + rnd(HK, l * D, D, s=0.02 / l, dtype=torch.float32)).to(torch.bfloat16) for _ in range(2))
+    kp, vp = rnd(HK, l, D, s=0.1), rnd(HK, l, D, s=0.1)
+    leaves = [x.requires_grad_() for x in (q, k, v, gates, kw, kp, vw, vp)]
+    do = rnd(1, T, HQ, D)
+    return leaves, do
+
+
+def timer(fn, T, args):
+    import torch
+    import triton
+    if T <= args.do_bench_max_t:
+        return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def peak_mib(fn):
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def check(HQ, HK, D, T, device):
+    """Triton NSA (bf16) vs the fp32 reference on the same inputs; top-k sets vs the reference selection."""
+    import torch
+    from flash_msa import nsa_attention, reference
+    from flash_msa.compression.interface import TRITON_BRANCHES as TB
+    leaves, do = make_inputs(T, HQ, HK, D, device, seed=1)
+    o = nsa_attention(*leaves, **SIZES, impl="auto")
+    grads = torch.autograd.grad(o, leaves, do)
+    ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
+    o_ref = reference.nsa_attention(*ref_leaves, **SIZES)
+    refs = torch.autograd.grad(o_ref, ref_leaves, do.float())
+    names = ("o", "dq", "dk", "dv", "dgates", "dk_cmp_weight", "dk_cmp_pos", "dv_cmp_weight", "dv_cmp_pos")
+    res = {n: rel_rms(x, r) for n, x, r in zip(names, (o, *grads), (o_ref, *refs))}
+    res.pop("dk_cmp_pos")  # analytically 0: softmax ignores a constant shift of every compressed key
+    # top-k: Triton selection vs reference selection from the same (reference) lse
+    q, k = leaves[0][0].detach(), leaves[1][0].detach()
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    kc, cc = reference.compress_kv(k, leaves[4].detach(), leaves[5].detach(), cu, 32, 16)
+    _, lse = reference.compressed_attention(q, kc, kc, cu, cc, 32, 16, D ** -0.5)
+    a = TB.select_blocks(q, kc, lse, cu, cc, 32, 16, 64, 16, D ** -0.5)
+    b = reference.select_blocks(q, kc, lse, cu, cc, 32, 16, 64, 16, D ** -0.5)
+    same = (a.sort(-1).values == b.sort(-1).values).all(-1)
+    res["topk_rows_identical"] = same.float().mean().item()
+    res["ok"] = all(v <= 2e-2 for k_, v in res.items() if k_.startswith(("o", "d"))) and res["topk_rows_identical"] > 0.99
+    return res
+
+
+def bench_model(name, T, args, device, row):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from flash_msa import nsa_attention
+    from flash_msa.compression.interface import TRITON_BRANCHES as TB
+    from flash_msa.selection.interface import choose_impl, selected_attention
+    HQ, HK, D = MODELS[name]
+    scale = D ** -0.5
+    leaves, do = make_inputs(T, HQ, HK, D, device)
+    q, k, v, gates, kw, kp, vw, vp = leaves
+    row["selected_impl"] = choose_impl(q, k, SIZES["slc_topk"], SIZES["slc_block"])
+
+    def fwd():
+        return nsa_attention(*leaves, **SIZES, impl="auto")
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), leaves, do)
+
+    o = fwd()
+    row["nsa_finite"] = bool(torch.isfinite(o).all().item())
+    del o
+    with torch.no_grad():
+        row["nsa_fwd_ms"] = timer(fwd, T, args)
+    row["nsa_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
+    row["nsa_peak_mib"] = peak_mib(fwd_bwd)
+    save(args)
+
+    if T <= args.breakdown_max_t:
+        qf, kf, vf = q[0], k[0], v[0]
+        cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+        with torch.no_grad():
+            kc, cc = TB.compress(kf, kw, kp, cu, 32, 16)
+            vc, _ = TB.compress(vf, vw, vp, cu, 32, 16)
+        kc, vc = kc.requires_grad_(), vc.requires_grad_()
+        with torch.no_grad():
+            _, lse = TB.compressed_attention(qf, kc, vc, cu, cc, 32, 16, scale)
+            idx = TB.select_blocks(qf, kc, lse, cu, cc, 32, 16, 64, 16, scale)
+        do0 = do[0]
+        dc = torch.randn_like(kc)
+        o3 = [torch.randn(T, HQ, D, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+        g = gates[0]
+
+        def b_compress():
+            a, _ = TB.compress(kf, kw, kp, cu, 32, 16)
+            b, _ = TB.compress(vf, vw, vp, cu, 32, 16)
+            return torch.autograd.grad((a, b), (k, v, kw, kp, vw, vp), (dc, dc))
+
+        def b_cmp():
+            oc, _ = TB.compressed_attention(qf, kc, vc, cu, cc, 32, 16, scale)
+            return torch.autograd.grad(oc, (q, kc, vc), do0)
+
+        def b_topk():
+            return TB.select_blocks(qf.detach(), kc.detach(), lse, cu, cc, 32, 16, 64, 16, scale)
+
+        def b_selected():
+            os_ = selected_attention(q, k, v, idx[None], block_size=64, cu_seqlens=None, scale=scale, impl="auto")
+            return torch.autograd.grad(os_, (q, k, v), do)
+
+        def b_window():
+            ow = TB.window_attention(qf, kf, vf, cu, 512, scale)
+            return torch.autograd.grad(ow, (q, k, v), do0)
+
+        def b_gates():
+            gf = g.float()
+            og = (gf[..., 0:1] * o3[0].float() + gf[..., 1:2] * o3[1].float() + gf[..., 2:3] * o3[2].float()).to(torch.bfloat16)
+            return torch.autograd.grad(og, (g, *o3), do0)
+
+        for bname, fn in zip(BRANCH_NAMES, (b_compress, b_cmp, b_topk, b_selected, b_window, b_gates)):
+            row[f"{bname}_ms"] = timer(fn, T, args)
+        row["branch_sum_ms"] = sum(row[f"{b}_ms"] for b in BRANCH_NAMES)
+        del kc, vc, lse, idx, o3, dc
+        save(args)
+    del leaves, q, k, v, gates, kw, kp, vw, vp
+
+    # dense causal SDPA, [B, H, T, D] views of the [B, T, H, D] tensors
+    for backend, label, max_t in ((SDPBackend.CUDNN_ATTENTION, "cudnn", args.dense_max_t),
+                                  (SDPBackend.FLASH_ATTENTION, "flash", args.flash_max_t)):
+        if T > max_t:
+            continue
+        try:
+            gen = torch.Generator(device=device).manual_seed(2)
+            qd = torch.randn(1, T, HQ, D, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            kd = torch.randn(1, T, HK, D, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            vd = torch.randn(1, T, HK, D, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            dod = torch.randn(1, T, HQ, D, device=device, dtype=torch.bfloat16, generator=gen)
+
+            def dense(gqa):
+                qq, kk, vv = (x.transpose(1, 2) for x in (qd, kd, vd))
+                if not gqa:  # backend without native GQA: repeat the KV heads
+                    kk, vv = (x.repeat_interleave(HQ // HK, dim=1) for x in (kk, vv))
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+
+            gqa = True
+            try:
+                dense(True)
+            except RuntimeError:
+                gqa = False
+                dense(False)
+            row[f"{label}_gqa_native"] = gqa
+            with torch.no_grad():
+                row[f"{label}_fwd_ms"] = timer(lambda: dense(gqa), T, args)
+            row[f"{label}_fwd_bwd_ms"] = timer(lambda: torch.autograd.grad(dense(gqa), (qd, kd, vd), dod), T, args)
+            row[f"{label}_peak_mib"] = peak_mib(lambda: torch.autograd.grad(dense(gqa), (qd, kd, vd), dod))
+            row[f"speedup_vs_{label}"] = row[f"{label}_fwd_bwd_ms"] / row["nsa_fwd_bwd_ms"]
+            del qd, kd, vd, dod
+        except Exception as e:  # noqa: BLE001 - record and go on (OOM at the largest T, missing backend)
+            row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"  {label}: {row[f'{label}_error']}", flush=True)
+        torch.cuda.empty_cache()
+        save(args)
+
+
+RESULTS = {"rows": [], "checks": {}, "meta": {}}
+
+
+def save(args):
+    with open(os.path.join(args.out, "nsa_h200.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    write_markdown(RESULTS, os.path.join(args.out, "nsa_h200.md"))
+
+
+def _f(x, nd=1):
+    return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def write_markdown(res, path):
+    meta = res.get("meta", {})
+    lines = [f"# Whole NSA vs dense causal attention ({meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, "
+             f"triton {meta.get('triton', '?')}, bf16, fwd+bwd)", "",
+             "NSA defaults l=32, d=16, l'=64, n=16, w=512; dense = SDPA causal. Times in ms (median). "
+             "Speedup = dense fwd+bwd / NSA fwd+bwd. Peak = extra memory of one fwd+bwd (MiB).", "",
+             "| model | T | NSA fwd | NSA f+b | cuDNN f+b | flash f+b | x cuDNN | x flash | NSA peak | cuDNN peak "
+             "| compress | cmp attn | top-k | selected | window | gates | sum | selected impl |",
+             "|" + "---|" * 18]
+    for r in res["rows"]:
+        lines.append("| " + " | ".join([
+            r["model"], str(r["T"]), _f(r.get("nsa_fwd_ms")), _f(r.get("nsa_fwd_bwd_ms")),
+            _f(r.get("cudnn_fwd_bwd_ms")), _f(r.get("flash_fwd_bwd_ms")),
+            _f(r.get("speedup_vs_cudnn"), 2), _f(r.get("speedup_vs_flash"), 2),
+            _f(r.get("nsa_peak_mib"), 0), _f(r.get("cudnn_peak_mib"), 0),
+            *[_f(r.get(f"{b}_ms")) for b in BRANCH_NAMES], _f(r.get("branch_sum_ms")), str(r.get("selected_impl", "-"))]) + " |")
+    lines += ["", "Correctness (at the check size, vs the fp32 reference; relative RMS, top-k rows identical):", ""]
+    for m, c in res.get("checks", {}).items():
+        lines.append(f"- {m}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()))
+    errs = [(r["model"], r["T"], k, v) for r in res["rows"] for k, v in r.items() if k.endswith("error")]
+    if errs:
+        lines += ["", "Errors / skipped:", ""] + [f"- {m} T={t} {k}: {v}" for m, t, k, v in errs]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(res, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for m in sorted({r["model"] for r in res["rows"]}):
+        rows = [r for r in res["rows"] if r["model"] == m]
+        for key, style in (("nsa_fwd_bwd_ms", "-o"), ("cudnn_fwd_bwd_ms", "--s"), ("flash_fwd_bwd_ms", ":^")):
+            pts = [(r["T"], r[key]) for r in rows if r.get(key)]
+            if pts:
+                axes[0].plot(*zip(*pts), style, label=f"{m} {key.replace('_fwd_bwd_ms', '')}")
+        pts = [(r["T"], r["speedup_vs_cudnn"]) for r in rows if r.get("speedup_vs_cudnn")]
+        if pts:
+            axes[1].plot(*zip(*pts), "-o", label=f"{m} vs cuDNN")
+    axes[0].set(xscale="log", yscale="log", xlabel="T", ylabel="fwd+bwd ms", title="NSA vs dense causal (H200, bf16)")
+    axes[1].set(xscale="log", xlabel="T", ylabel="speedup (dense / NSA)", title="NSA speedup over cuDNN dense")
+    for y in (5, 10):
+        axes[1].axhline(y, color="gray", lw=0.5)
+    rows = [r for r in res["rows"] if r.get("branch_sum_ms") and r["model"] == "llama3_8b"]
+    bottom = [0.0] * len(rows)
+    labels = [f"{r['T'] // 1024}K" for r in rows]
+    for b in BRANCH_NAMES:
+        vals = [r[f"{b}_ms"] for r in rows]
+        axes[2].bar(labels, vals, bottom=bottom, label=b)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    axes[2].set(yscale="log" if rows and max(bottom) / max(min(bottom), 1e-9) > 50 else "linear",
+                xlabel="T", ylabel="ms", title="Llama3-8B NSA fwd+bwd by branch")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--Ts", default="8192,16384,32768,65536,131072,262144,524288,1048576")
+    p.add_argument("--models", default="llama3_8b,qwen3_14b")
+    p.add_argument("--qwen-Ts", default="65536,262144", help="T values for models other than llama3_8b")
+    p.add_argument("--check-T", type=int, default=8192)
+    p.add_argument("--dense-max-t", type=int, default=262144)
+    p.add_argument("--flash-max-t", type=int, default=131072)
+    p.add_argument("--breakdown-max-t", type=int, default=262144)
+    p.add_argument("--do-bench-max-t", type=int, default=65536)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rep", type=int, default=60)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=300.0, help="start no new T after this many seconds")
+    p.add_argument("--plot-only", default=None)
+    args = p.parse_args()
+    if args.plot_only:
+        res = json.load(open(args.plot_only))
+        d = os.path.dirname(os.path.abspath(args.plot_only))
+        write_markdown(res, os.path.join(d, "nsa_h200.md"))
+        plot(res, os.path.join(d, "nsa_h200.png"))
+        return
+    import torch
+    import triton
+    from flash_msa.utils.validation import trusted_inputs
+    os.makedirs(args.out, exist_ok=True)
+    device = os.environ.get("BENCH_DEVICE", "cuda")
+    RESULTS["meta"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           sizes=SIZES, timing=f"do_bench median (warmup {args.warmup}, rep {args.rep} ms) for "
+                           f"T <= {args.do_bench_max_t}, else median of {args.reps} event-timed calls")
+    t_start = time.time()
+    models = args.models.split(",")
+    with trusted_inputs():
+        for m in models:
+            HQ, HK, D = MODELS[m]
+            try:
+                RESULTS["checks"][m] = check(HQ, HK, D, args.check_T, device)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                RESULTS["checks"][m] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"check {m} T={args.check_T}: {RESULTS['checks'][m]}", flush=True)
+            torch.cuda.empty_cache()
+            save(args)
+        for m in models:
+            Ts = [int(t) for t in (args.Ts if m == "llama3_8b" else args.qwen_Ts).split(",")]
+            for T in Ts:
+                if time.time() - t_start > args.budget_s:
+                    print(f"budget reached: skipping {m} T={T}", flush=True)
+                    continue
+                row = {"model": m, "T": T}
+                RESULTS["rows"].append(row)
+                t0 = time.time()
+                try:
+                    bench_model(m, T, args, device, row)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                torch.cuda.empty_cache()
+                save(args)
+                print(f"{m} T={T} ({time.time() - t0:.0f} s): " + json.dumps(
+                    {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    plot(RESULTS, os.path.join(args.out, "nsa_h200.png"))
+    print(f"done in {time.time() - t_start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,7 +36,7 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
 MAX_S = 32
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Bytes of per-chunk partial buffers (forward partial o + lse, backward fp32 dq partials):
+# Bytes of per-chunk partial buffers (forward partial o + lse, backward dq partials):
 # 640 MiB up to T = 64K, then 10 KiB per token, so extra memory stays linear in T.
 PARTIAL_BUDGET = 640 << 20
 PARTIAL_BUDGET_PER_TOKEN = 10 << 10
@@ -277,7 +277,7 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 
 # Launch settings (measured on H200, docs/selected_attention.md); module globals so the
 # benchmark can time variants.
-FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 1, 1
+FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 2
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 2
 
 
@@ -296,9 +296,12 @@ def chunk_blocks(csr: SelectionCSR, i_c: int) -> int:
     return min(meta.num_blocks, (t_end - 1) // meta.block_size + meta.num_blocks - meta.T // meta.block_size + 1)
 
 
-def default_chunk_size(T: int, HQ: int, S: int, D: int) -> int:
-    """Query tokens per chunk: the largest power of two whose partial buffers fit PARTIAL_BUDGET."""
-    per_token = HQ * S * (4 * D + 4)  # fp32 inputs: fp32 partials; the forward's o + lse is the larger
+def default_chunk_size(T: int, HQ: int, S: int, D: int, element_size: int = 2) -> int:
+    """Query tokens per chunk: the largest power of two whose partial buffers fit the budget.
+
+    Partials (forward o, backward dq) are stored in the input dtype, plus an fp32 lse.
+    """
+    per_token = HQ * S * (element_size * D + 4)
     budget = max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)
     chunk = 1 << max(6, (budget // per_token).bit_length() - 1)
     return min(chunk, triton.next_power_of_2(T))
@@ -379,7 +382,7 @@ class FMSASelectedAttentionFunction(torch.autograd.Function):
         T, HQ, D = q.shape
         meta = prepare_block_meta(cu_seqlens, T, block_size)
         if chunk_size is None:
-            chunk_size = default_chunk_size(T, HQ, block_indices.shape[-1], D)
+            chunk_size = default_chunk_size(T, HQ, block_indices.shape[-1], D, q.element_size())
         csr = build_selection_csr(block_indices, meta, chunk_size)
         o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale)
         ctx.save_for_backward(q, k, v, o, lse, block_indices)

@@ -1,0 +1,91 @@
+"""The Triton kernels behind the public ``selected_attention``: registration, dispatch, limits."""
+import pytest
+import torch
+
+from flash_msa import selected_attention
+from flash_msa.selection.interface import IMPLS, choose_impl
+from flash_msa.utils.csr import build_selection_csr, prepare_block_meta
+from tests.kernels.selection._cases import kernel_dtype, random_indices, tolerance
+from tests.helpers import assert_close
+
+
+def test_kernels_registered():
+    assert {"fmsa", "nsa", "reference"} <= set(IMPLS)
+
+
+def test_auto_is_reference_without_cuda():
+    q = torch.zeros(1, 8, 4, 16)
+    assert choose_impl(q, q[:, :, :2], 4, 16) == "reference"
+
+
+def test_auto_falls_back_for_unsupported_shapes():
+    # a head dim the kernels do not support must never make "auto" raise
+    q = torch.zeros(1, 8, 4, 48)
+    assert choose_impl(q, q[:, :, :2], 4, 16) == "reference"
+
+
+@pytest.mark.parametrize("impl", ["fmsa", "nsa"])
+def test_dense_batch_through_public_api(impl, device):
+    """[B=2, T, H, D] without cu_seqlens: two independent sequences."""
+    B, T, HK, G, D, S, bs = 2, 37, 1, 2, 16, 3, 16
+    gen = torch.Generator().manual_seed(0)
+    bi = torch.cat([random_indices(T, HK, S, bs, torch.tensor([0, T], dtype=torch.int32), gen=gen) for _ in range(B)])
+    dtype = kernel_dtype(device)
+    q = torch.randn(B, T, HK * G, D, generator=gen).to(device, dtype).requires_grad_()
+    k = torch.randn(B, T, HK, D, generator=gen).to(device, dtype).requires_grad_()
+    v = torch.randn(B, T, HK, D, generator=gen).to(device, dtype).requires_grad_()
+    o = selected_attention(q, k, v, bi.to(device), block_size=bs, impl=impl)
+    o.float().square().sum().backward()
+    for b in range(B):
+        qb, kb, vb = (x.detach()[b:b + 1].float().requires_grad_() for x in (q, k, v))
+        ob = selected_attention(qb, kb, vb, bi[b:b + 1].to(device), block_size=bs, impl="reference")
+        ob.square().sum().backward()
+        assert_close(f"{impl} o[{b}]", o[b:b + 1].float(), ob, tol=tolerance(device))
+        for name, x, r in (("dq", q, qb), ("dk", k, kb), ("dv", v, vb)):
+            assert_close(f"{impl} {name}[{b}]", x.grad[b:b + 1].float(), r.grad, tol=tolerance(device))
+
+
+@pytest.mark.parametrize("impl", ["fmsa", "nsa"])
+@pytest.mark.parametrize("bad, match", [
+    ({"D": 48}, "D \\(head dim\\) must be one of"),
+    ({"S": 33}, "S \\(selected blocks per query\\) must be at most 32"),
+], ids=["head-dim-48", "S-33"])
+def test_kernel_limits_raise(impl, bad, match, device):
+    D, S = bad.get("D", 16), bad.get("S", 2)
+    q = torch.zeros(1, 16, 2, D, device=device)
+    k = torch.zeros(1, 16, 1, D, device=device)
+    bi = torch.zeros(1, 16, 1, S, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=match):
+        selected_attention(q, k, k, bi, block_size=16, impl=impl)
+
+
+def test_float64_is_refused_by_kernels(device):
+    q = torch.zeros(1, 16, 2, 16, dtype=torch.float64, device=device)
+    k = torch.zeros(1, 16, 1, 16, dtype=torch.float64, device=device)
+    bi = torch.zeros(1, 16, 1, 2, dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="q dtype must be one of"):
+        selected_attention(q, k, k, bi, block_size=16, impl="fmsa")
+
+
+def test_csr_groups_entries_by_block():
+    """Entries of one (chunk, KV head, block) key are contiguous, in token order; invalid ones dropped."""
+    cu = torch.tensor([0, 5, 40], dtype=torch.int32)
+    T, HK, S, bs = 40, 2, 3, 16
+    bi = random_indices(T, HK, S, bs, cu, gen=torch.Generator().manual_seed(1))[0]
+    meta = prepare_block_meta(cu, T, bs)
+    assert meta.num_blocks == T // bs + 2
+    assert meta.block_start[:4].tolist() == [0, 5, 21, 37] and meta.block_end[:4].tolist() == [5, 21, 37, 40]
+    csr = build_selection_csr(bi, meta, chunk_size=16)
+    off = csr.key_offsets.tolist()
+    seen = []
+    for key in range(len(off) - 1):
+        ids = csr.entry_ids[off[key]:off[key + 1]].long()
+        t, hk, s = ids // (HK * S), (ids // S) % HK, ids % S
+        chunk, rest = divmod(key, HK * meta.num_blocks)
+        assert (t // 16 == chunk).all() and (hk == rest // meta.num_blocks).all()
+        assert (meta.tok_block0[t] + bi[t, hk, s] == rest % meta.num_blocks).all()
+        assert (t[1:] >= t[:-1]).all()
+        seen += ids.tolist()
+    own = (torch.arange(T) - torch.tensor([0] * 5 + [5] * 35)) // bs
+    valid = (bi >= 0) & (bi <= own[:, None, None])
+    assert sorted(seen) == valid.flatten().nonzero().flatten().tolist()

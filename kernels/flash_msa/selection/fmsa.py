@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from flash_msa.utils.csr import (
-    SelectionCSR, build_selection_csr, multi_segment_slots, prepare_block_meta, tile_schedule)
+    SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, tile_schedule)
 from flash_msa.utils.varlen import flatten_batch
 
 LOG2E = 1.4426950408889634
@@ -380,7 +380,7 @@ class FMSASelectedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale, chunk_size):
         T, HQ, D = q.shape
-        meta = prepare_block_meta(cu_seqlens, T, block_size)
+        meta = get_block_meta(cu_seqlens, T, block_size)
         if chunk_size is None:
             chunk_size = default_chunk_size(T, HQ, block_indices.shape[-1], D, q.element_size())
         csr = build_selection_csr(block_indices, meta, chunk_size)

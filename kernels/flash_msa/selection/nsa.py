@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from flash_msa.selection import fmsa as _fmsa
-from flash_msa.utils.csr import build_selection_csr, prepare_block_meta
+from flash_msa.utils.csr import build_selection_csr, get_block_meta
 from flash_msa.utils.varlen import flatten_batch
 
 LOG2E = 1.4426950408889634
@@ -131,7 +131,7 @@ class NSASelectedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale):
         T = q.shape[0]
-        meta = prepare_block_meta(cu_seqlens, T, block_size)
+        meta = get_block_meta(cu_seqlens, T, block_size)
         o, lse = nsa_fwd(q, k, v, block_indices, meta, scale)
         ctx.save_for_backward(q, k, v, o, lse, block_indices)
         ctx.meta, ctx.scale = meta, scale

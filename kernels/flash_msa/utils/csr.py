@@ -16,6 +16,7 @@ numbered consecutively over the packed stream. Their number is at most
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,26 @@ def prepare_block_meta(cu_seqlens: torch.Tensor, T: int, block_size: int) -> Blo
         T=T, block_size=block_size, num_blocks=num_blocks,
         tok_start=cu[seq].to(torch.int32), tok_block0=blk_off[seq].to(torch.int32),
         block_start=bstart.to(torch.int32), block_end=bend.to(torch.int32))
+
+
+_META_CACHE: list = []  # [(weakref to cu_seqlens, its _version, T, block_size, BlockMeta)], newest last
+_META_CACHE_SIZE = 4
+
+
+def get_block_meta(cu_seqlens: torch.Tensor, T: int, block_size: int) -> BlockMeta:
+    """:func:`prepare_block_meta`, computed once per ``cu_seqlens`` tensor and block size.
+
+    Every layer of a step gets the same ``cu_seqlens`` object, so all layers (forward and
+    backward) share one BlockMeta. A hit needs the very same tensor object, alive and not
+    modified in place since (its ``_version``), so a stale entry is never returned.
+    """
+    for ref, version, t, bs, meta in _META_CACHE:
+        if ref() is cu_seqlens and version == cu_seqlens._version and t == T and bs == block_size:
+            return meta
+    meta = prepare_block_meta(cu_seqlens, T, block_size)
+    _META_CACHE.append((weakref.ref(cu_seqlens), cu_seqlens._version, T, block_size, meta))
+    del _META_CACHE[:-_META_CACHE_SIZE]
+    return meta
 
 
 def valid_entries(block_indices: torch.Tensor, meta: BlockMeta) -> torch.Tensor:

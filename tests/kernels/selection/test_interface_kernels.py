@@ -89,3 +89,14 @@ def test_csr_groups_entries_by_block():
     own = (torch.arange(T) - torch.tensor([0] * 5 + [5] * 35)) // bs
     valid = (bi >= 0) & (bi <= own[:, None, None])
     assert sorted(seen) == valid.flatten().nonzero().flatten().tolist()
+
+
+def test_block_meta_is_shared_until_cu_seqlens_changes():
+    from flash_msa.utils.csr import get_block_meta
+    cu = torch.tensor([0, 5, 40], dtype=torch.int32)
+    first = get_block_meta(cu, 40, 16)
+    assert get_block_meta(cu, 40, 16) is first
+    assert get_block_meta(cu, 40, 32) is not first
+    cu[1] = 7  # in-place change: a new version, so the cached metadata must not be reused
+    assert get_block_meta(cu, 40, 16).tok_start[6].item() == 0
+    assert get_block_meta(cu.clone(), 40, 16) is not first

@@ -89,8 +89,8 @@ class Trainer:
 
         cfg = self.cfg
         vocab = getattr(self.tokenizer, "vocab_size", None)
-        with model_init_context(cfg.parallel.zero_stage, self.ds_config):
-            self.model = build_model(cfg.model, cfg.attention, dtype=torch.float32)
+        self.model = build_model(cfg.model, cfg.attention, dtype=torch.float32,
+                                 init_context=model_init_context(cfg.parallel.zero_stage, self.ds_config))
         if len(self.tokenizer) > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but model vocab_size is "
                              f"{self.model.config.vocab_size} (tokenizer vocab {vocab}): set model.hf_config.vocab_size")

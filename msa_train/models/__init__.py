@@ -100,26 +100,35 @@ def patch_model(model: nn.Module, attention_cfg: Union[AttentionConfig, Mapping[
     return model
 
 
-def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: torch.dtype = torch.float32,
+                init_context=None) -> nn.Module:
     """Build (from ``hf_config`` values) or load (from the local ``path``) and patch the model.
 
-    Never downloads: ``path`` must be a local directory.
+    Never downloads: ``path`` must be a local directory. ``init_context`` (e.g. ZeRO-3's
+    ``deepspeed.zero.Init``) wraps the construction of the HF model only: the NSA modules are
+    added after it, whole, because their initialisation reads their own parameter shapes; the
+    DeepSpeed engine partitions them when it is built.
     """
+    import contextlib
+
     from transformers import AutoConfig
 
+    with init_context or contextlib.nullcontext():
+        if model_cfg.path is not None:
+            model = load_pretrained(model_cfg.path, None, dtype=dtype, patch=False)
+        else:
+            values = dict(model_cfg.hf_config)
+            values.pop("model_type", None)
+            config = AutoConfig.for_model(model_cfg.model_type, **values)
+            model = family_of(config).causal_lm_cls._from_config(config, **{_DTYPE_KW: dtype})
+    patch_model(model, attention_cfg)
     if model_cfg.path is not None:
-        return load_pretrained(model_cfg.path, attention_cfg, dtype=dtype)
-    values = dict(model_cfg.hf_config)
-    values.pop("model_type", None)
-    config = AutoConfig.for_model(model_cfg.model_type, **values)
-    family = family_of(config)
-    model = family.causal_lm_cls._from_config(config, **{_DTYPE_KW: dtype}) if hasattr(
-        family.causal_lm_cls, "_from_config") else family.causal_lm_cls(config).to(dtype)
-    return patch_model(model, attention_cfg)
+        _maybe_load_nsa_weights(model, model_cfg.path, attention_cfg)
+    return model
 
 
 def load_pretrained(path: str, attention_cfg: Union[AttentionConfig, Mapping[str, Any], None] = None,
-                    dtype: torch.dtype = torch.float32) -> nn.Module:
+                    dtype: torch.dtype = torch.float32, patch: bool = True) -> nn.Module:
     """Load an HF checkpoint dir (ours, with NSA weights, or a plain HF one) and patch it.
 
     The attention config is ``attention_cfg`` when given, else the ``msa_attention`` recorded in
@@ -134,14 +143,23 @@ def load_pretrained(path: str, attention_cfg: Union[AttentionConfig, Mapping[str
         raise ValueError(f"model.path={path!r} is not a local directory (msa-train never downloads models)")
     config = AutoConfig.from_pretrained(path)
     family = family_of(config)
-    if attention_cfg is None:
+    if attention_cfg is None and patch:
         attention_cfg = getattr(config, "msa_attention", None)
     model = family.causal_lm_cls.from_pretrained(path, **{_DTYPE_KW: dtype})
-    recorded_nsa = (getattr(config, "msa_attention", None) or {}).get("name", "full") != "full"
-    patch_model(model, attention_cfg)
-    if recorded_nsa and _as_attention_cfg(attention_cfg).is_sparse:
-        _load_extra_weights(model, path)
+    if patch:
+        patch_model(model, attention_cfg)
+        _maybe_load_nsa_weights(model, path, attention_cfg)
     return model
+
+
+def _maybe_load_nsa_weights(model: nn.Module, path: str, attention_cfg) -> None:
+    """Load the NSA tensors of an msa_train checkpoint dir (none in a plain HF one)."""
+    from transformers import AutoConfig
+
+    recorded = getattr(AutoConfig.from_pretrained(path), "msa_attention", None) or {}
+    if recorded.get("name", "full") != "full" and _as_attention_cfg(
+            attention_cfg if attention_cfg is not None else recorded).is_sparse:
+        _load_extra_weights(model, path)
 
 
 def _load_extra_weights(model: nn.Module, path: str) -> None:

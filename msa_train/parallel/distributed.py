@@ -65,7 +65,26 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
         dev = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world)
+    # DeepSpeed's comm layer wraps the group we made (zero.Init and the engine read its world size).
+    import deepspeed
+
+    if device_type == "cpu":
+        _skip_cpu_shm_comm_build()
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
+
+
+def _skip_cpu_shm_comm_build() -> None:
+    """Keep DeepSpeed's CPU comm backend from JIT-compiling its shared-memory all-reduce op.
+
+    On the CPU accelerator ``deepspeed.comm`` builds ``deepspeed_shm_comm`` (a C++ extension)
+    when it first initialises: about 3 minutes on a 2-core machine, for faster CPU collectives
+    that our gloo CPU runs do not need. Marking the op incompatible makes DeepSpeed use
+    torch.distributed's gloo collectives directly.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def destroy_distributed() -> None:

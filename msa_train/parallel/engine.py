@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Dict
 
-import torch
 import torch.nn as nn
 
 
@@ -54,21 +53,7 @@ def build_engine(model: nn.Module, ds_config: Dict[str, Any]):
     """
     import deepspeed
 
-    if not torch.cuda.is_available():
-        _skip_cpu_shm_comm_build()
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
     return engine, optimizer, scheduler
 
-
-def _skip_cpu_shm_comm_build() -> None:
-    """Keep DeepSpeed's CPU comm backend from JIT-compiling its shared-memory all-reduce op.
-
-    On the CPU accelerator ``deepspeed.comm`` builds ``deepspeed_shm_comm`` (a C++ extension)
-    when it first initialises: about 3 minutes on a 2-core machine, for faster CPU collectives
-    that our gloo CPU runs do not need. Marking the op incompatible makes DeepSpeed use
-    torch.distributed's gloo collectives directly.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -108,7 +108,18 @@ def check(HQ, HK, D, T, device):
     b = reference.select_blocks(q, kc, lse, cu, cc, 32, 16, 64, 16, D ** -0.5)
     same = (a.sort(-1).values == b.sort(-1).values).all(-1)
     res["topk_rows_identical"] = same.float().mean().item()
-    res["ok"] = all(v <= 2e-2 for k_, v in res.items() if k_.startswith(("o", "d"))) and res["topk_rows_identical"] > 0.99
+    # forward error of each branch alone (bf16 kernel vs fp32 reference on the same bf16 inputs)
+    from flash_msa.selection.interface import selected_attention
+    v = leaves[2][0].detach()
+    kcb, vcb = kc.to(torch.bfloat16), TB.compress(v, leaves[6].detach(), leaves[7].detach(), cu, 32, 16)[0]
+    res["fwd_k_cmp"] = rel_rms(TB.compress(k, leaves[4].detach(), leaves[5].detach(), cu, 32, 16)[0], kc)
+    res["fwd_o_cmp"] = rel_rms(TB.compressed_attention(q, kcb, vcb, cu, cc, 32, 16, D ** -0.5)[0],
+                               reference.compressed_attention(q.float(), kcb.float(), vcb.float(), cu, cc, 32, 16, D ** -0.5)[0])
+    res["fwd_o_swa"] = rel_rms(TB.window_attention(q, k, v, cu, 512, D ** -0.5),
+                               reference.window_attention(q.float(), k.float(), v.float(), cu, 512, D ** -0.5))
+    res["fwd_o_slc"] = rel_rms(selected_attention(q[None], k[None], v[None], b[None], block_size=64, impl="auto")[0],
+                               reference.selected_attention(q.float(), k.float(), v.float(), b, 64, cu, D ** -0.5))
+    res["ok"] = all(v <= 2e-2 for k_, v in res.items() if k_.startswith(("o", "d", "fwd"))) and res["topk_rows_identical"] > 0.99
     return res
 
 
@@ -176,8 +187,7 @@ def bench_model(name, T, args, device, row):
             return torch.autograd.grad(ow, (q, k, v), do0)
 
         def b_gates():
-            gf = g.float()
-            og = (gf[..., 0:1] * o3[0].float() + gf[..., 1:2] * o3[1].float() + gf[..., 2:3] * o3[2].float()).to(torch.bfloat16)
+            og = TB.combine(g, *o3, torch.bfloat16)
             return torch.autograd.grad(og, (g, *o3), do0)
 
         for bname, fn in zip(BRANCH_NAMES, (b_compress, b_cmp, b_topk, b_selected, b_window, b_gates)):
@@ -187,10 +197,13 @@ def bench_model(name, T, args, device, row):
         save(args)
     del leaves, q, k, v, gates, kw, kp, vw, vp
 
+    for label in ("cudnn", "flash"):
+        if row.get(f"{label}_fwd_bwd_ms"):  # taken from --dense-from
+            row[f"speedup_vs_{label}"] = row[f"{label}_fwd_bwd_ms"] / row["nsa_fwd_bwd_ms"]
     # dense causal SDPA, [B, H, T, D] views of the [B, T, H, D] tensors
     for backend, label, max_t in ((SDPBackend.CUDNN_ATTENTION, "cudnn", args.dense_max_t),
                                   (SDPBackend.FLASH_ATTENTION, "flash", args.flash_max_t)):
-        if T > max_t:
+        if T > max_t or row.get(f"{label}_fwd_bwd_ms"):
             continue
         try:
             gen = torch.Generator(device=device).manual_seed(2)
@@ -318,6 +331,8 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=300.0, help="start no new T after this many seconds")
     p.add_argument("--plot-only", default=None)
+    p.add_argument("--dense-from", default=None,
+                   help="take the dense SDPA rows from an earlier nsa_h200.json (same machine kind) instead of re-timing them")
     args = p.parse_args()
     if args.plot_only:
         res = json.load(open(args.plot_only))
@@ -354,6 +369,12 @@ def main():
                     continue
                 row = {"model": m, "T": T}
                 RESULTS["rows"].append(row)
+                if args.dense_from:
+                    prev = [r for r in json.load(open(args.dense_from))["rows"] if r["model"] == m and r["T"] == T]
+                    for key, val in (prev[0].items() if prev else ()):
+                        if key.startswith(("cudnn_", "flash_")):
+                            row[key] = val
+                    row["dense_from"] = os.path.basename(args.dense_from)
                 t0 = time.time()
                 try:
                     bench_model(m, T, args, device, row)

@@ -77,9 +77,13 @@ def _compose(branches, q, k, v, gates, k_cmp_weight, k_cmp_pos, v_cmp_weight, v_
     o_slc = selected_attention(q[None], k[None], v[None], idx[None], block_size=slc_block,
                                cu_seqlens=cu, scale=scale, impl=selected_impl)[0]
     o_swa = branches.window_attention(q, k, v, cu, window, scale)
+    return getattr(branches, "combine", _combine)(gates, o_cmp, o_slc, o_swa, q.dtype)
+
+
+def _combine(gates, o_cmp, o_slc, o_swa, dtype):
     g = gates.float()  # the combination runs in fp32
     o = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_swa.float()
-    return o.to(q.dtype)
+    return o.to(dtype)
 
 
 def nsa_attention(

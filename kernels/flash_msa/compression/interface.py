@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from flash_msa.compression.compress import compress_kv
 from flash_msa.compression.compressed_attention import compressed_attention
 from flash_msa.compression.topk import select_blocks
+from flash_msa.gates import gate_combine
 from flash_msa.window.interface import window_attention
 
 TRITON_BRANCHES = SimpleNamespace(
@@ -16,6 +17,7 @@ TRITON_BRANCHES = SimpleNamespace(
     compressed_attention=compressed_attention,
     select_blocks=select_blocks,
     window_attention=window_attention,
+    combine=gate_combine,  # the fused fp32 gate combination
 )
 
 __all__ = ["TRITON_BRANCHES", "compress_kv", "compressed_attention", "select_blocks", "window_attention"]

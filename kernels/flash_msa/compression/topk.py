@@ -31,7 +31,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-_LOW = 0x7FFFFFFF
+# constants read inside kernels must be tl.constexpr globals
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LOW = tl.constexpr(0x7FFFFFFF)
 
 
 @triton.jit
@@ -110,7 +112,7 @@ def select_blocks_kernel(
             o_hq = i_h * G + i_g
             b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :],
                           mask=m_t[:, None] & m_d[None, :], other=0.)  # [BT, BD]
-            b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * LOG2E  # [BT]
+            b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E  # [BT]
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
             b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
         o_j = j0 + o_nb  # [NB] blocks of the chunk
@@ -124,7 +126,7 @@ def select_blocks_kernel(
         m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
         b_sc = tl.where(m_forced, float("inf"), b_sc)
         m_cand = (o_j[None, :] <= own[:, None]) & m_t[:, None]
-        b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (_LOW - o_j[None, :]).to(tl.int64)
+        b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-o_j[None, :] + _LOW).to(tl.int64)
         b_key = tl.where(m_cand, b_key, -1)
         # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
         # sequence holding the top NB of both (the first step of a bitonic merge); sort it.
@@ -133,7 +135,7 @@ def select_blocks_kernel(
 
     # the first TOPK keys are the top n; write their blocks ascending, -1 padded
     m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
-    b_blk = _LOW - (b_top & _LOW).to(tl.int32)
+    b_blk = -(b_top & _LOW).to(tl.int32) + _LOW
     b_blk = _bitonic_sort(tl.where(m_keep, b_blk, _LOW), BT, LOG_NB, 0)
     b_blk = tl.where(b_blk == _LOW, -1, b_blk)
     p_o = out + (o_t * HK + i_h)[:, None] * TOPK + o_nb[None, :]

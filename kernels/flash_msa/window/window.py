@@ -32,8 +32,10 @@ import triton.language as tl
 from flash_msa.utils.varlen import token_seq_bounds
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-_BIG = 1 << 30
+# constants read inside kernels must be tl.constexpr globals
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+_BIG = tl.constexpr(1 << 30)
 
 
 @triton.jit
@@ -78,7 +80,7 @@ def range_attn_fwd_kernel(
         b_m = b_mn
     m_any = b_l > 0
     b_o = b_acc / tl.where(m_any, b_l, 1.)[:, None]
-    b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.))) * LN2, float("-inf"))
+    b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.))) * _LN2, float("-inf"))
     tl.store(o + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :], b_o.to(o.dtype.element_ty),
              mask=m_m[:, None] & m_d[None, :])
     tl.store(lse + o_t * HQ + o_hq, b_lse, mask=m_m)
@@ -114,7 +116,7 @@ def range_attn_bwd_dq_kernel(
     m_qd = m_m[:, None] & m_d[None, :]
     b_q = tl.load(q + o_qd, mask=m_qd, other=0.)  # [BM, BD]
     b_do = tl.load(do + o_qd, mask=m_qd, other=0.)  # [BM, BD]
-    b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_m, other=0.) * LOG2E  # [BM]
+    b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_m, other=0.) * _LOG2E  # [BM]
     b_delta = tl.load(delta + o_t * HQ + o_hq, mask=m_m, other=0.)  # [BM]
     b_lo = tl.load(lo + o_t, mask=m_m, other=0)
     b_hi = tl.load(hi + o_t, mask=m_m, other=0)
@@ -172,7 +174,7 @@ def range_attn_bwd_dkdv_kernel(
         m_qd = m_m[:, None] & m_d[None, :]
         b_q = tl.load(q + o_qd, mask=m_qd, other=0.)  # [BM, BD]
         b_do = tl.load(do + o_qd, mask=m_qd, other=0.)  # [BM, BD]
-        b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_m, other=0.) * LOG2E
+        b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_m, other=0.) * _LOG2E
         b_delta = tl.load(delta + o_t * HQ + o_hq, mask=m_m, other=0.)
         b_lo = tl.load(lo + o_t, mask=m_m, other=0)
         b_hi = tl.load(hi + o_t, mask=m_m, other=0)

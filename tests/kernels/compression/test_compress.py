@@ -98,7 +98,8 @@ def test_rope_and_compressed_keys(device):
     n = (T - l) // d + 1
     # mean pooling commutes with RoPE: the compressed key is the rotated mean, so it rotates with the shift
     assert torch.allclose(_rope(kc0[:n], torch.full((n,), 1000, device=device)), kc1[:n], atol=1e-9)
-    assert_close("mean-pool phi is shift invariant", o1, o0, 1e-5)
+    # fp32 dots run as tf32 on CUDA, which rounds the rotated inputs differently
+    assert_close("mean-pool phi is shift invariant", o1, o0, 1e-5 if device == "cpu" else 2e-3)
     _, o_ref = run(mean_w, 1000, False)
     assert_close("kernel vs reference under RoPE", o1, o_ref)
     _, r0 = run(rand_w, 0, True)

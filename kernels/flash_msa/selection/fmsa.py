@@ -36,10 +36,13 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
 MAX_S = 32
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Bytes of per-chunk partial buffers (forward partial o + lse, backward dq partials):
-# 640 MiB up to T = 64K, then 10 KiB per token, so extra memory stays linear in T.
-PARTIAL_BUDGET = 640 << 20
-PARTIAL_BUDGET_PER_TOKEN = 10 << 10
+# Bytes of the per-chunk partial buffers (forward o + lse, backward dq), in the input dtype:
+# 384 MiB up to T = 64K, then 6 KiB per token, so extra memory stays linear in T and the
+# backward (dq partials + fp32 dk/dv accumulators + segment slots) stays under 1 GB at 64K
+# for HQ=32, S=16, D=128. At G=4 / 64K, 640 MiB (chunks of 4096 instead of 2048) measured
+# 10.7 ms forward against 11.5, but a 1.2 GB peak (docs/selected_attention.md).
+PARTIAL_BUDGET = 384 << 20
+PARTIAL_BUDGET_PER_TOKEN = 6 << 10
 # Backward segments: tiles of BM rows per program (longer keys are split, then reduced).
 SEG_TILES = 16
 

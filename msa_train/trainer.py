@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
+import logging
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from msa_train.checkpoint import CheckpointManager
 from msa_train.config import RootConfig
 from msa_train.loss import IGNORE_INDEX
 from msa_train.metrics import MetricsLogger, model_flops_per_token, peak_memory_gb, peak_tflops
+
+log = logging.getLogger(__name__)
 
 
 def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -84,19 +86,22 @@ class Trainer:
         self._sampler_iter = iter(self.sampler)
 
     def _build_model(self) -> None:
-        from msa_train.models import build_model
+        from msa_train.models import build_model, count_parameters
         from msa_train.parallel import model_init_context
 
         cfg = self.cfg
         vocab = getattr(self.tokenizer, "vocab_size", None)
-        self.model = build_model(cfg.model, cfg.attention, dtype=torch.float32,
-                                 init_context=model_init_context(cfg.parallel.zero_stage, self.ds_config))
+        # Meta-device dry run first: a bad model config fails here, before any memory is allocated.
+        self.n_params, self.n_embedding = count_parameters(cfg.model, cfg.attention)
+        if self.dist.is_main:
+            log.info("model: %s (%s), %.3gM parameters, attention=%s, ZeRO-%d, %s on %s x%d",
+                     cfg.model.name, cfg.model.model_type, self.n_params / 1e6, cfg.attention.name,
+                     cfg.parallel.zero_stage, "bf16" if self.bf16 else "fp32", self.device.type, self.dist.world_size)
+        self._init_context = model_init_context(cfg.parallel.zero_stage, self.ds_config)  # kept alive: see its doc
+        self.model = build_model(cfg.model, cfg.attention, dtype=torch.float32, init_context=self._init_context)
         if len(self.tokenizer) > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but model vocab_size is "
                              f"{self.model.config.vocab_size} (tokenizer vocab {vocab}): set model.hf_config.vocab_size")
-        self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
-        emb = self.model.get_input_embeddings().weight
-        self.n_embedding = getattr(emb, "ds_numel", emb.numel())
 
     def _build_parallelize(self) -> None:
         from msa_train.models.causal_lm import CausalLMWithLoss
@@ -136,6 +141,7 @@ class Trainer:
         cfg = self.cfg
         cfg_dict = dataclasses.asdict(cfg)
         if self.dist.is_main:
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg_dict)))
             (self.run_dir / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str))
             (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
         self.logger = MetricsLogger(self.run_dir, cfg.logger, cfg.train.steps, self.step, self.dist.is_main,

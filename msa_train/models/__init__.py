@@ -127,6 +127,27 @@ def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: t
     return model
 
 
+def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> tuple[int, int]:
+    """Build the patched model on the meta device (accelerate's ``init_empty_weights``): validates
+    the config and the patch and counts parameters without allocating any memory.
+
+    Returns:
+        (total parameters including NSA, input-embedding parameters)
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    if model_cfg.path is not None:
+        config = AutoConfig.from_pretrained(model_cfg.path)
+    else:
+        values = {k: v for k, v in model_cfg.hf_config.items() if k != "model_type"}
+        config = AutoConfig.for_model(model_cfg.model_type, **values)
+    with init_empty_weights():
+        model = family_of(config).causal_lm_cls(config)
+        patch_model(model, attention_cfg)
+    return sum(p.numel() for p in model.parameters()), model.get_input_embeddings().weight.numel()
+
+
 def load_pretrained(path: str, attention_cfg: Union[AttentionConfig, Mapping[str, Any], None] = None,
                     dtype: torch.dtype = torch.float32, patch: bool = True) -> nn.Module:
     """Load an HF checkpoint dir (ours, with NSA weights, or a plain HF one) and patch it.
@@ -189,4 +210,4 @@ def save_pretrained(model: nn.Module, path: str, state_dict: Optional[dict] = No
     model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
 
 
-__all__ = ["REGISTRY", "build_model", "family_of", "load_pretrained", "patch_model", "save_pretrained"]
+__all__ = ["REGISTRY", "build_model", "count_parameters", "family_of", "load_pretrained", "patch_model", "save_pretrained"]

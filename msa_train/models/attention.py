@@ -32,11 +32,14 @@ FULL = "msa_full"
 NSA = "msa_nsa"
 _HIDDEN = "_msa_hidden_states"
 
-try:  # torch >= 2.10
+try:  # torch >= 2.10; its keyword arguments changed between releases, so probe them
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-    _VARLEN_GQA = "enable_gqa" in inspect.signature(_varlen_attn).parameters
+    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
 except ImportError:  # older torch: the SDPA paths below serve
-    _varlen_attn, _VARLEN_GQA = None, False
+    _varlen_attn, _VARLEN_PARAMS = None, set()
+_VARLEN_GQA = "enable_gqa" in _VARLEN_PARAMS
+# torch 2.10 spells causal `is_causal=True`; later releases `window_size=(-1, 0)`.
+_VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
 
 
 def stash_hidden_states(module, args, kwargs):
@@ -78,14 +81,18 @@ def full_attention_forward(module, query, key, value, attention_mask=None, scali
         q = query[0].transpose(0, 1)  # [T, HQ, D]
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
         group = HQ // k.shape[1]
-        extra = {}
+        extra = dict(_VARLEN_CAUSAL)
+        if "scale" in _VARLEN_PARAMS:
+            extra["scale"] = scaling
+        elif scaling is not None and abs(scaling - D ** -0.5) > 1e-12:
+            raise NotImplementedError("this torch's varlen_attn has no scale argument; the model needs "
+                                      f"scale {scaling}, not 1/sqrt(D)")
         if _VARLEN_GQA:
             extra["enable_gqa"] = True
         else:
             k, v = _repeat_kv(k, group, 1), _repeat_kv(v, group, 1)
         max_len = int(max_length_q) if max_length_q is not None else T
-        o = _varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_len, max_len, scale=scaling,
-                         window_size=(-1, 0), **extra)
+        o = _varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_len, max_len, **extra)
         return o.unsqueeze(0), None
     else:
         # CPU fallback: one SDPA per document. On CPU the offsets are host memory, so tolist() is no sync.

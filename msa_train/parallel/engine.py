@@ -1,6 +1,7 @@
 """Parallelisation: activation checkpointing, ZeRO-3 leaf modules, and the DeepSpeed engine.
 
-We call DeepSpeed directly (``deepspeed.initialize`` / ``deepspeed.zero.Init``) rather than through
+We call DeepSpeed directly (``deepspeed.initialize``; ZeRO-3 construction through transformers'
+``HfDeepSpeedConfig``, which enters ``deepspeed.zero.Init``) rather than through
 accelerate's DeepSpeed plugin because the trainer needs the engine's own API that accelerate hides
 or re-wraps: ``save_checkpoint`` / ``load_checkpoint`` into our atomic temp directory with a fixed
 tag, the LR scheduler built from the generated JSON, ``get_global_grad_norm``, and ZeRO-3 leaf
@@ -9,20 +10,40 @@ modules. Launchers (torchrun, deepspeed, accelerate launch) only set environment
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict
 
 import torch.nn as nn
 
 
-def model_init_context(zero_stage: int, ds_config: Dict[str, Any]):
-    """Context for building the model: ZeRO-3 partitions parameters at construction, so a model
-    larger than one device's memory is never materialised whole."""
-    if zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
+class ModelInitContext:
+    """Context for building the model. Under ZeRO-3 it registers the DeepSpeed config with
+    transformers (``HfDeepSpeedConfig``), so ``from_config`` / ``from_pretrained`` construct the
+    model inside ``deepspeed.zero.Init`` and load checkpoint shards straight into partitioned
+    parameters: a model larger than one device's memory is never materialised whole.
 
-    return deepspeed.zero.Init(config_dict_or_path=ds_config)
+    transformers holds that registration through a weak reference, so keep this object alive as
+    long as the model is used (the trainer keeps it).
+    """
+
+    def __init__(self, zero_stage: int, ds_config: Dict[str, Any]):
+        self.hf_ds_config = None
+        if zero_stage == 3:
+            try:
+                from transformers.integrations import HfDeepSpeedConfig
+            except ImportError:  # older transformers
+                from transformers.deepspeed import HfDeepSpeedConfig
+            self.hf_ds_config = HfDeepSpeedConfig(ds_config)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def model_init_context(zero_stage: int, ds_config: Dict[str, Any]) -> ModelInitContext:
+    """See :class:`ModelInitContext`."""
+    return ModelInitContext(zero_stage, ds_config)
 
 
 def parallelize(model: nn.Module, *, activation_checkpointing: bool, zero_stage: int) -> nn.Module:

@@ -6,16 +6,18 @@ sync. The rows of a key are its (entry, head-in-group) pairs, row r -> entry r /
 head r % G, so tiles of BM rows are full for any group size G.
 
 Forward, per query chunk (docs/selected_attention.md says why chunks):
-  1. ``fmsa_fwd_kernel``: one program per row tile. It gathers the tile's query rows, loads
-     K/V of its block once, and writes the normalised partial output and its lse to a
-     compact buffer indexed by entry. Programs past the chunk's last tile exit at once.
+  1. ``fmsa_fwd_kernel``: one program per FWD_TILES row tiles. Per tile it gathers the query
+     rows, loads K/V of the block once, and writes the normalised partial output and its lse
+     to a compact buffer indexed by entry. Programs past the chunk's last tile exit at once.
   2. ``fmsa_merge_kernel``: one program per (token, KV head) merges the partials of the
      token's valid slots in slot order: no atomics, deterministic.
-Backward, per query chunk:
-  1. ``fmsa_bwd_dkdv_kernel``: one program per key. It loads K/V once, loops over the key's
-     row tiles accumulating dk/dv in registers (then adds them, in chunk order, to an fp32
-     accumulator only it owns), and writes the dq contribution of each row to a compact buffer.
-  2. ``fmsa_bwd_dq_kernel``: one program per (token, KV head) sums the dq contributions in
+Backward: ``fmsa_bwd_preprocess_kernel`` (delta = rowsum(o * do)), then per query chunk:
+  1. ``fmsa_bwd_dkdv_kernel``: one program per segment (at most SEG_TILES row tiles) of a key.
+     It loads K/V once, accumulates dk/dv over its tiles in registers and writes the dq
+     contribution of each row to a compact buffer. A key of one segment adds dk/dv to fp32
+     accumulators only it touches; a longer key (block 0) writes one slot per segment.
+  2. ``fmsa_bwd_dkdv_reduce_kernel``: adds the slots of each split key in segment order.
+  3. ``fmsa_bwd_dq_kernel``: one program per (token, KV head) sums the dq contributions in
      slot order.
 
 Scores are kept in log2 units (``scale * log2(e)`` folded into the scale).
@@ -331,7 +333,8 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale):
         fmsa_fwd_kernel[(triton.cdiv(tiles, FWD_TILES),)](
             q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
             meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, num_warps=FWD_WARPS, num_stages=FWD_STAGES)
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES,
+            num_warps=FWD_WARPS, num_stages=FWD_STAGES)
         fmsa_merge_kernel[(min(Tc, T - c0), HK)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),

@@ -3,6 +3,7 @@ import json
 import signal
 
 import pytest
+import torch
 
 from tests.msa_train._util import FAST, read_metrics, run_cli, train
 
@@ -64,3 +65,28 @@ def test_bare_command_runs_the_tiny_recipe(tmp_path):
     assert summary["recipe"] == "tiny" and summary["attention"] == "nsa" and summary["steps"] == 3
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
     assert len(read_metrics(tmp_path)) == 3
+
+
+def test_finetune_saved_model_on_user_jsonl(tmp_path):
+    """The README's second step: start from a trained HF dir (model.path) on your own jsonl."""
+    from safetensors.torch import load_file
+
+    from msa_train.trainer import Trainer
+    from tests.msa_train._util import compose
+
+    train(["train.steps=2", f"train.output_dir={tmp_path / 'pre'}", "data.num_docs=48",
+           "train.progress=false", "train.save_hf=true"])
+    hf = tmp_path / "pre" / "hf"
+    docs = tmp_path / "docs.jsonl"
+    words = "the quick brown fox jumps over the lazy dog while the long document goes on".split()
+    docs.write_text("".join(json.dumps({"text": " ".join(words[(i + j) % len(words)] for j in range(300))}) + "\n"
+                            for i in range(24)))
+    trainer = Trainer(compose(["data=jsonl", f"data.path={docs}", f"model.path={hf}", "train.steps=2",
+                               f"train.output_dir={tmp_path / 'ft'}", "train.progress=false", "train.save_hf=false"]))
+    saved = load_file(str(hf / "model.safetensors"))
+    params = dict(trainer.model.named_parameters())
+    assert any(".nsa." in k for k in saved)
+    for name, tensor in saved.items():  # HF and NSA weights both start from the saved model
+        assert torch.equal(params[name].detach(), tensor), name
+    summary = trainer.train()
+    assert summary["steps"] == 2 and summary["final_loss"] is not None

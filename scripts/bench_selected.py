@@ -227,7 +227,7 @@ def write_markdown(rows, path, header):
              "|---" * 15 + "|"]
     for r in rows:
         if not r["check_ok"]:
-            lines.append(f"| {r['T'] // 1024}K | {r['G']} | {r['HQ']}/{r['HK']} |" + " - |" * 11 + f" {r['auto']} | FAIL |")
+            lines.append(f"| {r['T'] // 1024}K | {r['G']} | {r['HQ']}/{r['HK']} |" + " - |" * 10 + f" {r['auto']} | FAIL |")
             continue
         lines.append(
             f"| {r['T'] // 1024}K | {r['G']} | {r['HQ']}/{r['HK']} | {fmt(r['fmsa_fwd_ms'])} | {fmt(r['nsa_fwd_ms'])} "

@@ -334,7 +334,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale):
             q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
             meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES,
-            num_warps=FWD_WARPS, num_stages=FWD_STAGES)
+            num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1)
         fmsa_merge_kernel[(min(Tc, T - c0), HK)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),

@@ -104,6 +104,12 @@ def _group_rows(G: int) -> int:
     return max(16, triton.next_power_of_2(G))
 
 
+def _stages(block_size: int, D: int) -> int:
+    """Software-pipeline depth of the block loop: Triton's default (3) was measured at l'=64,
+    D=128; larger K/V blocks get no pipelining so their buffers fit in shared memory."""
+    return 3 if block_size * D <= 64 * 128 else 1
+
+
 def nsa_fwd(q, k, v, block_indices, meta, scale):
     """q [T, HQ, D], k/v [T, HK, D], block_indices [T, HK, S] -> o [T, HQ, D], lse fp32 [T, HQ]."""
     T, HQ, D = q.shape
@@ -112,7 +118,8 @@ def nsa_fwd(q, k, v, block_indices, meta, scale):
     lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
     nsa_fwd_kernel[(T, HK)](
         q, k, v, o, lse, block_indices, meta.tok_start, scale * LOG2E,
-        HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK))
+        HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK),
+        num_stages=_stages(meta.block_size, D))
     return o, lse
 
 
@@ -122,7 +129,8 @@ def nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale):
     dq = torch.empty_like(q)
     nsa_bwd_dq_kernel[(T, HK)](
         q, k, v, do, lse, delta, dq, block_indices, meta.tok_start, scale * LOG2E, scale,
-        HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK))
+        HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK),
+        num_stages=_stages(meta.block_size, D))
     return dq
 
 

@@ -24,9 +24,7 @@ def _port() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, attention", [(2, "full"), (3, "nsa")], ids=["zero2-full", "zero3-nsa"])
 def test_two_process_zero_matches_one_process(tmp_path, stage, attention):
-    # attention=nsa keeps the tiny recipe's small NSA blocks only if we do not re-select the group
-    att = ["attention=full"] if attention == "full" else []
-    common = [*att, f"train.steps={STEPS}", "train.seq_len=256", *FAST]
+    common = [f"attention={attention}", f"train.steps={STEPS}", "train.seq_len=256", *FAST]
     _, ref = train([*common, f"parallel.zero_stage={stage}", "train.grad_accum=2",
                     f"train.output_dir={tmp_path / 'one'}"])
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

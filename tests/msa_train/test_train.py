@@ -11,9 +11,6 @@ from tests.msa_train._util import FAST, read_metrics, run_cli, train
 @pytest.mark.parametrize("attention", ["full", "nsa"])
 def test_tiny_recipe_trains_30_steps_with_loss_decreasing(tmp_path, attention):
     overrides = [f"attention={attention}", "train.steps=30", f"train.output_dir={tmp_path}", *FAST]
-    if attention == "nsa":  # the tiny recipe's small NSA blocks (attention=nsa re-selects the group defaults)
-        overrides += ["attention.cmp_block=16", "attention.cmp_stride=8", "attention.slc_block=32",
-                      "attention.slc_topk=4", "attention.window=64"]
     if attention == "full":
         overrides += ["logger=wandb"]  # offline: needs no account
     summary, records = train(overrides)

@@ -52,9 +52,15 @@ def make_inputs(T, HQ, HK, D, device, seed=0):
     mean = (torch.eye(D, device=device) / l).repeat(l, 1).expand(HK, -1, -1)
     kw, vw = ((mean + rnd(HK, l * D, D, s=0.02 / l, dtype=torch.float32)).to(torch.bfloat16) for _ in range(2))
     kp, vp = rnd(HK, l, D, s=0.1), rnd(HK, l, D, s=0.1)
-    leaves = [x.requires_grad_() for x in (q, k, v, gates, kw, kp, vw, vp)]
+    kj, vj = rnd(HK, D, D, s=0.02), rnd(HK, D, D, s=0.02)  # phi's second layer (the model's real config)
+    leaves = [x.requires_grad_() for x in (q, k, v, gates, kw, kp, vw, vp, kj, vj)]
     do = rnd(1, T, HQ, D)
     return leaves, do
+
+
+def call_nsa(fn, leaves, **kw):
+    """fn(q, k, v, gates, kw, kp, vw, vp, k_cmp_proj=kj, v_cmp_proj=vj, ...) for either nsa_attention."""
+    return fn(*leaves[:8], k_cmp_proj=leaves[8], v_cmp_proj=leaves[9], **kw)
 
 
 def timer(fn, T, args):
@@ -91,18 +97,18 @@ def check(HQ, HK, D, T, device):
     from flash_msa import nsa_attention, reference
     from flash_msa.compression.interface import TRITON_BRANCHES as TB
     leaves, do = make_inputs(T, HQ, HK, D, device, seed=1)
-    o = nsa_attention(*leaves, **SIZES, impl="auto")
+    o = call_nsa(nsa_attention, leaves, **SIZES, impl="auto")
     grads = torch.autograd.grad(o, leaves, do)
     ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
-    o_ref = reference.nsa_attention(*ref_leaves, **SIZES)
+    o_ref = call_nsa(reference.nsa_attention, ref_leaves, **SIZES)
     refs = torch.autograd.grad(o_ref, ref_leaves, do.float())
-    names = ("o", "dq", "dk", "dv", "dgates", "dk_cmp_weight", "dk_cmp_pos", "dv_cmp_weight", "dv_cmp_pos")
+    names = ("o", "dq", "dk", "dv", "dgates", "dk_cmp_weight", "dk_cmp_pos", "dv_cmp_weight", "dv_cmp_pos",
+             "dk_cmp_proj", "dv_cmp_proj")
     res = {n: rel_rms(x, r) for n, x, r in zip(names, (o, *grads), (o_ref, *refs))}
-    res.pop("dk_cmp_pos")  # analytically 0: softmax ignores a constant shift of every compressed key
     # top-k: Triton selection vs reference selection from the same (reference) lse
     q, k = leaves[0][0].detach(), leaves[1][0].detach()
     cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    kc, cc = reference.compress_kv(k, leaves[4].detach(), leaves[5].detach(), cu, 32, 16)
+    kc, cc = reference.compress_kv(k, leaves[4].detach(), leaves[5].detach(), cu, 32, 16, proj=leaves[8].detach())
     _, lse = reference.compressed_attention(q, kc, kc, cu, cc, 32, 16, D ** -0.5)
     a = TB.select_blocks(q, kc, lse, cu, cc, 32, 16, 64, 16, D ** -0.5)
     b = reference.select_blocks(q, kc, lse, cu, cc, 32, 16, 64, 16, D ** -0.5)
@@ -111,8 +117,10 @@ def check(HQ, HK, D, T, device):
     # forward error of each branch alone (bf16 kernel vs fp32 reference on the same bf16 inputs)
     from flash_msa.selection.interface import selected_attention
     v = leaves[2][0].detach()
-    kcb, vcb = kc.to(torch.bfloat16), TB.compress(v, leaves[6].detach(), leaves[7].detach(), cu, 32, 16)[0]
-    res["fwd_k_cmp"] = rel_rms(TB.compress(k, leaves[4].detach(), leaves[5].detach(), cu, 32, 16)[0], kc)
+    kcb = kc.to(torch.bfloat16)
+    vcb = TB.compress(v, leaves[6].detach(), leaves[7].detach(), cu, 32, 16, proj=leaves[9].detach())[0]
+    res["fwd_k_cmp"] = rel_rms(TB.compress(k, leaves[4].detach(), leaves[5].detach(), cu, 32, 16,
+                                           proj=leaves[8].detach())[0], kc)
     res["fwd_o_cmp"] = rel_rms(TB.compressed_attention(q, kcb, vcb, cu, cc, 32, 16, D ** -0.5)[0],
                                reference.compressed_attention(q.float(), kcb.float(), vcb.float(), cu, cc, 32, 16, D ** -0.5)[0])
     res["fwd_o_swa"] = rel_rms(TB.window_attention(q, k, v, cu, 512, D ** -0.5),
@@ -133,11 +141,11 @@ def bench_model(name, T, args, device, row):
     HQ, HK, D = MODELS[name]
     scale = D ** -0.5
     leaves, do = make_inputs(T, HQ, HK, D, device)
-    q, k, v, gates, kw, kp, vw, vp = leaves
+    q, k, v, gates, kw, kp, vw, vp, kj, vj = leaves
     row["selected_impl"] = choose_impl(q, k, SIZES["slc_topk"], SIZES["slc_block"])
 
     def fwd():
-        return nsa_attention(*leaves, **SIZES, impl="auto")
+        return call_nsa(nsa_attention, leaves, **SIZES, impl="auto")
 
     def fwd_bwd():
         return torch.autograd.grad(fwd(), leaves, do)
@@ -155,8 +163,8 @@ def bench_model(name, T, args, device, row):
         qf, kf, vf = q[0], k[0], v[0]
         cu = torch.tensor([0, T], dtype=torch.int32, device=device)
         with torch.no_grad():
-            kc, cc = TB.compress(kf, kw, kp, cu, 32, 16)
-            vc, _ = TB.compress(vf, vw, vp, cu, 32, 16)
+            kc, cc = TB.compress(kf, kw, kp, cu, 32, 16, proj=kj)
+            vc, _ = TB.compress(vf, vw, vp, cu, 32, 16, proj=vj)
         kc, vc = kc.requires_grad_(), vc.requires_grad_()
         with torch.no_grad():
             _, lse = TB.compressed_attention(qf, kc, vc, cu, cc, 32, 16, scale)
@@ -167,9 +175,9 @@ def bench_model(name, T, args, device, row):
         g = gates[0]
 
         def b_compress():
-            a, _ = TB.compress(kf, kw, kp, cu, 32, 16)
-            b, _ = TB.compress(vf, vw, vp, cu, 32, 16)
-            return torch.autograd.grad((a, b), (k, v, kw, kp, vw, vp), (dc, dc))
+            a, _ = TB.compress(kf, kw, kp, cu, 32, 16, proj=kj)
+            b, _ = TB.compress(vf, vw, vp, cu, 32, 16, proj=vj)
+            return torch.autograd.grad((a, b), (k, v, kw, kp, vw, vp, kj, vj), (dc, dc))
 
         def b_cmp():
             oc, _ = TB.compressed_attention(qf, kc, vc, cu, cc, 32, 16, scale)

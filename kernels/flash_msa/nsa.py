@@ -41,9 +41,15 @@ def check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window) -> None:
     check_positive_int("window", window)
 
 
-def _check_compression(name: str, weight, pos, HK: int, D: int, block: int, dtype, device) -> None:
+def _check_compression(name: str, weight, pos, proj, HK: int, D: int, block: int, device) -> None:
     check_tensor(f"{name}_weight", weight, ndim=3, layout="[HK, cmp_block*D, D]")
     check_tensor(f"{name}_pos", pos, ndim=3, layout="[HK, cmp_block, D]")
+    if proj is not None:
+        check_tensor(f"{name}_proj", proj, ndim=3, layout="[HK, D, D]")
+        if tuple(proj.shape) != (HK, D, D):
+            raise ValueError(f"{name}_proj must have shape [HK={HK}, D={D}, D={D}], got {tuple(proj.shape)}")
+        if proj.device != device:
+            raise ValueError(f"{name}_proj must be on the device of q ({device}), got {proj.device}")
     if tuple(weight.shape) != (HK, block * D, D):
         raise ValueError(f"{name}_weight must have shape [HK={HK}, cmp_block*D={block * D}, D={D}], got {tuple(weight.shape)}")
     if tuple(pos.shape) != (HK, block, D):
@@ -66,11 +72,12 @@ BRANCHES = {
 }
 
 
-def _compose(branches, q, k, v, gates, k_cmp_weight, k_cmp_pos, v_cmp_weight, v_cmp_pos, cu,
+def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
              cmp_block, cmp_stride, slc_block, slc_topk, window, scale, selected_impl):
-    """The NSA data flow on one packed stream [T, H, D]."""
-    k_cmp, cu_cmp = branches.compress(k, k_cmp_weight, k_cmp_pos, cu, cmp_block, cmp_stride)
-    v_cmp, _ = branches.compress(v, v_cmp_weight, v_cmp_pos, cu, cmp_block, cmp_stride)
+    """The NSA data flow on one packed stream [T, H, D]; k_cmp / v_cmp are (weight, pos, proj)."""
+    (kw, kp, kj), (vw, vp, vj) = k_cmp, v_cmp
+    k_cmp, cu_cmp = branches.compress(k, kw, kp, cu, cmp_block, cmp_stride, proj=kj)
+    v_cmp, _ = branches.compress(v, vw, vp, cu, cmp_block, cmp_stride, proj=vj)
     o_cmp, lse = branches.compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, cmp_block, cmp_stride, scale)
     idx = branches.select_blocks(q.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp,
                                  cmp_block, cmp_stride, slc_block, slc_topk, scale)  # [T, HK, n]
@@ -91,6 +98,7 @@ def nsa_attention(
     k_cmp_weight: torch.Tensor, k_cmp_pos: torch.Tensor, v_cmp_weight: torch.Tensor, v_cmp_pos: torch.Tensor, *,
     cmp_block: int = 32, cmp_stride: int = 16, slc_block: int = 64, slc_topk: int = 16, window: int = 512,
     cu_seqlens: Optional[torch.Tensor] = None, scale: Optional[float] = None, impl: str = "auto",
+    k_cmp_proj: Optional[torch.Tensor] = None, v_cmp_proj: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Native Sparse Attention forward (differentiable in q, k, v, gates and the compression parameters).
 
@@ -98,8 +106,10 @@ def nsa_attention(
         q: [B, T, HQ, D] queries (after the model's q norm and RoPE).
         k, v: [B, T, HK, D] keys and values, HQ a multiple of HK (group 1..16).
         gates: [B, T, HQ, 3] branch gates in [0, 1] (sigmoid already applied): compressed, selected, window.
-        k_cmp_weight, v_cmp_weight: [HK, cmp_block*D, D] the compression maps phi.
+        k_cmp_weight, v_cmp_weight: [HK, cmp_block*D, D] first layer of the compression MLP phi.
         k_cmp_pos, v_cmp_pos: [HK, cmp_block, D] intra-block position encodings.
+        k_cmp_proj, v_cmp_proj: [HK, D, D] second layer of phi, added to mean pooling (see
+            compression/naive.py). None makes phi the linear map of the first layer alone.
         cmp_block, cmp_stride: compression block l and stride d (defaults 32 and 16).
         slc_block, slc_topk: selection block l' and number of selected blocks n (64 and 16,
             including block 0 and the two local blocks, which are always selected).
@@ -118,8 +128,8 @@ def nsa_attention(
     if tuple(gates.shape) != (B, T, HQ, 3):
         raise ValueError(f"gates must have shape [B={B}, T={T}, HQ={HQ}, 3], got {tuple(gates.shape)}")
     check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window)
-    _check_compression("k_cmp", k_cmp_weight, k_cmp_pos, HK, D, cmp_block, q.dtype, q.device)
-    _check_compression("v_cmp", v_cmp_weight, v_cmp_pos, HK, D, cmp_block, q.dtype, q.device)
+    _check_compression("k_cmp", k_cmp_weight, k_cmp_pos, k_cmp_proj, HK, D, cmp_block, q.device)
+    _check_compression("v_cmp", v_cmp_weight, v_cmp_pos, v_cmp_proj, HK, D, cmp_block, q.device)
     scale = check_scale(scale, D)
     if impl not in ALL_IMPLS:
         raise ValueError(f"impl must be one of {ALL_IMPLS}, got {impl!r}")
@@ -127,39 +137,42 @@ def nsa_attention(
     branches = BRANCHES["triton" if on_gpu and "triton" in BRANCHES else "reference"]
     qf, cu = flatten_batch(q, cu_seqlens)
     o = _compose(branches, qf, k.reshape(B * T, HK, D), v.reshape(B * T, HK, D), gates.reshape(B * T, HQ, 3),
-                 k_cmp_weight, k_cmp_pos, v_cmp_weight, v_cmp_pos, cu,
+                 (k_cmp_weight, k_cmp_pos, k_cmp_proj), (v_cmp_weight, v_cmp_pos, v_cmp_proj), cu,
                  cmp_block, cmp_stride, slc_block, slc_topk, window, scale, impl if on_gpu else "reference")
     return o.view(B, T, HQ, D)
 
 
 class Compression(nn.Module):
-    """phi for one of k or v: per-KV-head linear map of a block's keys plus a position encoding."""
+    """phi for one of k or v: per-KV-head MLP over a block's keys, with a position encoding and a
+    mean-pooling skip path (compression/naive.py has the formula)."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, block: int, device=None, dtype=None):
         super().__init__()
         self.block = block
         self.weight = nn.Parameter(torch.empty(num_kv_heads, block * head_dim, head_dim, device=device, dtype=dtype))
         self.pos = nn.Parameter(torch.empty(num_kv_heads, block, head_dim, device=device, dtype=dtype))
+        self.proj = nn.Parameter(torch.empty(num_kv_heads, head_dim, head_dim, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # Mean pooling of the block: a pretrained model's compressed keys start as the average of
-        # its real keys, so the compressed branch is meaningful from the first step.
-        HK, _, D = self.weight.shape
-        eye = torch.eye(D, device=self.weight.device, dtype=torch.float32) / self.block
+        # proj = 0 makes phi exactly mean pooling at step 0: a pretrained model's compressed keys
+        # start as the average of its real keys, so the compressed branch is meaningful at once.
+        # weight and pos get small random values so that proj receives gradient from the first step.
         with torch.no_grad():
-            self.weight.copy_(eye.repeat(self.block, 1).expand(HK, -1, -1))
-            self.pos.zero_()
+            nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
+            nn.init.normal_(self.pos, std=0.02)
+            self.proj.zero_()
 
 
 class NativeSparseAttention(nn.Module):
     """NSA's own parameters and the call into :func:`nsa_attention`.
 
     Parameters: ``compress_k.weight`` / ``compress_v.weight`` [HK, cmp_block*D, D],
-    ``compress_k.pos`` / ``compress_v.pos`` [HK, cmp_block, D], ``gate.weight`` [3*HQ, hidden]
-    and ``gate.bias`` [3*HQ] (rows ordered branch-major: compressed, selected, window).
+    ``compress_k.pos`` / ``compress_v.pos`` [HK, cmp_block, D], ``compress_k.proj`` /
+    ``compress_v.proj`` [HK, D, D], ``gate.weight`` [3*HQ, hidden] and ``gate.bias`` [3*HQ]
+    (rows ordered branch-major: compressed, selected, window).
 
-    Initialisation: phi starts as mean pooling and the position encodings as 0; the gate
+    Initialisation: phi starts as mean pooling of the block (proj = 0); the gate
     weights start at 0 and the biases at -ln 2, so every gate starts at 1/3 and the output is
     the mean of the three branches. For a sequence shorter than the window, the window and
     selected branches both equal full causal attention, so a dense model keeps most of its
@@ -206,7 +219,8 @@ class NativeSparseAttention(nn.Module):
         gates = torch.sigmoid(logits.float()).view(B, T, 3, self.num_heads).transpose(-1, -2)  # [B, T, HQ, 3]
         return nsa_attention(q, k, v, gates, self.compress_k.weight, self.compress_k.pos,
                              self.compress_v.weight, self.compress_v.pos, cu_seqlens=cu_seqlens,
-                             scale=scale, impl=self.impl, **self.sizes)
+                             scale=scale, impl=self.impl, k_cmp_proj=self.compress_k.proj,
+                             v_cmp_proj=self.compress_v.proj, **self.sizes)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.sizes.items()) + f", impl={self.impl}"

@@ -26,10 +26,10 @@ def _form(form: str) -> bool:
     return form == "naive"
 
 
-def compress_kv(x, weight, pos, cu_seqlens, block, stride, form: str = "chunked"):
+def compress_kv(x, weight, pos, cu_seqlens, block, stride, form: str = "chunked", proj=None):
     """phi: x [T, H, D] -> (x_cmp [T//stride, H, D], cu_cmp int32 [N+1])."""
     fn = _cmp.compress_kv_naive if _form(form) else _cmp.compress_kv
-    return fn(x, weight, pos, cu_seqlens, block, stride)
+    return fn(x, weight, pos, cu_seqlens, block, stride, proj=proj)
 
 
 def compressed_attention(q, k_cmp, v_cmp, cu_seqlens, cu_cmp, block, stride, scale, form: str = "chunked"):
@@ -60,7 +60,7 @@ def nsa_attention(
     q, k, v, gates, k_cmp_weight, k_cmp_pos, v_cmp_weight, v_cmp_pos, *,
     cmp_block: int = 32, cmp_stride: int = 16, slc_block: int = 64, slc_topk: int = 16, window: int = 512,
     cu_seqlens: Optional[torch.Tensor] = None, scale: Optional[float] = None, form: str = "chunked",
-    return_indices: bool = False,
+    return_indices: bool = False, k_cmp_proj: Optional[torch.Tensor] = None, v_cmp_proj: Optional[torch.Tensor] = None,
 ):
     """The whole NSA op in plain PyTorch, on [B, T, H, D] inputs (see flash_msa.nsa_attention).
 
@@ -71,8 +71,8 @@ def nsa_attention(
     scale = D ** -0.5 if scale is None else scale
     qf, cu = flatten_batch(q, cu_seqlens)
     kf, vf = k.reshape(B * T, HK, D), v.reshape(B * T, HK, D)
-    k_cmp, cu_cmp = compress_kv(kf, k_cmp_weight, k_cmp_pos, cu, cmp_block, cmp_stride, form)
-    v_cmp, _ = compress_kv(vf, v_cmp_weight, v_cmp_pos, cu, cmp_block, cmp_stride, form)
+    k_cmp, cu_cmp = compress_kv(kf, k_cmp_weight, k_cmp_pos, cu, cmp_block, cmp_stride, form, proj=k_cmp_proj)
+    v_cmp, _ = compress_kv(vf, v_cmp_weight, v_cmp_pos, cu, cmp_block, cmp_stride, form, proj=v_cmp_proj)
     o_cmp, lse = compressed_attention(qf, k_cmp, v_cmp, cu, cu_cmp, cmp_block, cmp_stride, scale, form)
     idx = select_blocks(qf.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp, cmp_block, cmp_stride,
                         slc_block, slc_topk, scale, form)

@@ -20,10 +20,16 @@ def make_inputs(T, HQ, HK, D, dtype=torch.float64, requires_grad=False, block=16
         torch.randn(HK, block * D, D, dtype=dtype) * (block * D) ** -0.5,
         torch.randn(HK, block, D, dtype=dtype) * 0.3,
     ]
-    tensors = [q, k, v, gates, *params]
+    projs = [torch.randn(HK, D, D, dtype=dtype) * D ** -0.5 for _ in range(2)]
+    tensors = [q, k, v, gates, *params, *projs]
     for t in tensors:
         t.requires_grad_(requires_grad)
     return tensors
+
+
+def nsa_ref(tensors, **kw):
+    """reference.nsa_attention on make_inputs' tensors (the last two are phi's second layers)."""
+    return R.nsa_attention(*tensors[:8], k_cmp_proj=tensors[8], v_cmp_proj=tensors[9], **kw)
 
 
 # sequences shorter than one compression block (5), than one selection block (12), and long ones
@@ -41,8 +47,8 @@ def test_chunked_equals_naive(G, case):
     T, HK = bounds[-1], 2 if G <= 4 else 1
     cu = torch.tensor(bounds, dtype=torch.int32)
     tensors = make_inputs(T, G * HK, HK, 8)
-    a, ia = R.nsa_attention(*tensors, **SIZES, cu_seqlens=cu, return_indices=True)
-    b, ib = R.nsa_attention(*tensors, **SIZES, cu_seqlens=cu, form="naive", return_indices=True)
+    a, ia = nsa_ref(tensors, **SIZES, cu_seqlens=cu, return_indices=True)
+    b, ib = nsa_ref(tensors, **SIZES, cu_seqlens=cu, form="naive", return_indices=True)
     assert torch.equal(ia, ib)
     assert_close("o", a, b, tol=1e-10)
 
@@ -50,10 +56,10 @@ def test_chunked_equals_naive(G, case):
 def test_branches_chunked_equal_naive_with_small_chunks():
     T, HQ, HK, D = 111, 6, 2, 8
     cu = torch.tensor([0, 7, 63, 111], dtype=torch.int32)
-    q, k, v, _, w, p, _, _ = make_inputs(T, HQ, HK, D)
+    q, k, v, _, w, p, _, _, j, _ = make_inputs(T, HQ, HK, D)
     q, k, v = q[0], k[0], v[0]
-    kc, cu_c = R.compress_kv(k, w, p, cu, 16, 8)
-    kn, cu_n = R.compress_kv(k, w, p, cu, 16, 8, form="naive")
+    kc, cu_c = R.compress_kv(k, w, p, cu, 16, 8, proj=j)
+    kn, cu_n = R.compress_kv(k, w, p, cu, 16, 8, form="naive", proj=j)
     assert torch.equal(cu_c, cu_n)
     assert_close("k_cmp", kc, kn, tol=1e-12)
     from flash_msa.compression.naive import compressed_attention_chunked, select_blocks_chunked
@@ -77,7 +83,7 @@ def test_branches_chunked_equal_naive_with_small_chunks():
 def test_first_tokens_see_no_compressed_token():
     T, HQ, HK, D = 40, 4, 2, 8
     cu = torch.tensor([0, T], dtype=torch.int32)
-    q, k, v, _, w, p, _, _ = make_inputs(T, HQ, HK, D)
+    q, k, v, _, w, p, _, _, _, _ = make_inputs(T, HQ, HK, D)
     kc, cu_c = R.compress_kv(k[0], w, p, cu, 16, 8)
     o, lse = R.compressed_attention(q[0], kc, kc, cu, cu_c, 16, 8, 0.3)
     # token t sees compressed token i iff i*8 + 15 <= t: none before t = 15
@@ -89,7 +95,7 @@ def test_selection_forces_initial_and_local_blocks():
     T, HQ, HK, D = 160, 4, 2, 8
     cu = torch.tensor([0, 10, T], dtype=torch.int32)
     tensors = make_inputs(T, HQ, HK, D)
-    _, idx = R.nsa_attention(*tensors, **SIZES, cu_seqlens=cu, return_indices=True)
+    _, idx = nsa_ref(tensors, **SIZES, cu_seqlens=cu, return_indices=True)
     idx = idx[0]
     for t in range(T):
         t_rel = t if t < 10 else t - 10
@@ -107,7 +113,7 @@ def test_gradcheck_float64():
     sizes = dict(cmp_block=8, cmp_stride=4, slc_block=16, slc_topk=2, window=6)
     # the selection is piecewise constant; its indices are fixed by the unperturbed inputs
     assert torch.autograd.gradcheck(
-        lambda *t: R.nsa_attention(*t, **sizes, cu_seqlens=cu), tuple(tensors), eps=1e-6, atol=1e-5, fast_mode=True)
+        lambda *t: nsa_ref(t, **sizes, cu_seqlens=cu), tuple(tensors), eps=1e-6, atol=1e-5, fast_mode=True)
 
 
 def test_module_matches_functional_and_backward_runs():
@@ -119,30 +125,51 @@ def test_module_matches_functional_and_backward_runs():
     o = m(h, q, k, v, cu_seqlens=cu)
     gates = torch.full((1, T, HQ, 3), 1 / 3)
     ref = R.nsa_attention(q, k, v, gates, m.compress_k.weight, m.compress_k.pos, m.compress_v.weight,
-                          m.compress_v.pos, **SIZES, cu_seqlens=cu)
+                          m.compress_v.pos, **SIZES, cu_seqlens=cu, k_cmp_proj=m.compress_k.proj,
+                          v_cmp_proj=m.compress_v.proj)
     assert_close("o", o, ref, tol=1e-6)
     o.square().sum().backward()
     for name, p in [("h", h), ("q", q), ("k", k), ("v", v), *m.named_parameters()]:
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-    assert m.gate.weight.grad.abs().sum() > 0 and m.compress_k.weight.grad.abs().sum() > 0
+    # at initialisation proj = 0, so only proj (and the gates) receive gradient through phi
+    assert m.gate.weight.grad.abs().sum() > 0 and m.compress_k.proj.grad.abs().sum() > 0
 
 
 def test_compression_init_is_mean_pooling():
     m = flash_msa.NativeSparseAttention(8, 2, 1, 4, cmp_block=8, cmp_stride=4, slc_block=16, slc_topk=2, window=8)
     k = torch.randn(20, 1, 4)
     cu = torch.tensor([0, 20], dtype=torch.int32)
-    kc, _ = R.compress_kv(k, m.compress_k.weight.detach(), m.compress_k.pos.detach(), cu, 8, 4)
-    assert_close("k_cmp", kc[:4], torch.stack([k[i * 4:i * 4 + 8].mean(0) for i in range(4)]), tol=1e-6)
+    c = m.compress_k
+    kc, _ = R.compress_kv(k, c.weight.detach(), c.pos.detach(), cu, 8, 4, proj=c.proj.detach())
+    mean_pos = c.pos.detach().mean(1)  # [1, D]: a constant shift of every compressed key
+    expected = torch.stack([k[i * 4:i * 4 + 8].mean(0) for i in range(4)]) + mean_pos
+    assert_close("k_cmp", kc[:4], expected, tol=1e-6)
+
+
+def test_position_encoding_changes_compressed_scores():
+    """With the MLP phi the intra-block position encoding is not a constant shift: permuting a
+    block's keys changes its compressed key."""
+    torch.manual_seed(1)
+    HK, D, l = 1, 4, 8
+    w, pos = torch.randn(HK, l * D, D, dtype=torch.float64), torch.randn(HK, l, D, dtype=torch.float64)
+    proj = torch.randn(HK, D, D, dtype=torch.float64)
+    cu = torch.tensor([0, l], dtype=torch.int32)
+    k = torch.randn(l, HK, D, dtype=torch.float64)
+    a, _ = R.compress_kv(k, w, pos, cu, l, l, proj=proj)
+    pos2 = pos + torch.randn_like(pos)
+    b, _ = R.compress_kv(k, w, pos2, cu, l, l, proj=proj)
+    shift = (pos2 - pos).mean(1)
+    assert (b[0] - a[0] - shift).abs().max() > 1e-3
 
 
 def test_dense_batch_equals_varlen():
     T, HQ, HK, D = 50, 4, 2, 8
     tensors = make_inputs(T, HQ, HK, D)
     two = [torch.cat([t, t.flip(1)]) if t.dim() == 4 else t for t in tensors]
-    dense = R.nsa_attention(*two, **SIZES)
+    dense = nsa_ref(two, **SIZES)
     packed = [t.reshape(1, 2 * T, *t.shape[2:]) if t.dim() == 4 else t for t in two]
     cu = torch.tensor([0, T, 2 * T], dtype=torch.int32)
-    assert_close("o", dense.reshape(1, 2 * T, HQ, D), R.nsa_attention(*packed, **SIZES, cu_seqlens=cu), tol=1e-12)
+    assert_close("o", dense.reshape(1, 2 * T, HQ, D), nsa_ref(packed, **SIZES, cu_seqlens=cu), tol=1e-12)
 
 
 def test_selected_attention_reference_semantics():

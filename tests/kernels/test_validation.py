@@ -79,6 +79,7 @@ NSA_CASES = {
     "gates_shape": (dict(gates=torch.rand(1, T, HQ, 2)), {}, "gates must have shape"),
     "cmp_weight_shape": (dict(k_cmp_weight=torch.randn(HK, 8 * D, D)), {}, "k_cmp_weight must have shape"),
     "cmp_pos_shape": (dict(v_cmp_pos=torch.randn(HK, 8, D)), {}, "v_cmp_pos must have shape"),
+    "cmp_proj_shape": (dict(k_cmp_proj=torch.randn(HK, D, 2 * D)), {}, "k_cmp_proj must have shape"),
     "cmp_block": ({}, dict(cmp_block=24), "cmp_block must be one of"),
     "stride_divides": ({}, dict(cmp_block=16, cmp_stride=32), "multiple of cmp_stride"),
     "slc_block": ({}, dict(slc_block=40), "slc_block must be one of"),

@@ -15,6 +15,7 @@ token at most once: no float atomics, bitwise deterministic.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from flash_msa.utils.varlen import compressed_cu_seqlens
 
@@ -74,24 +75,41 @@ class CompressFunction(torch.autograd.Function):
         return dx[:T].to(x.dtype), dw.to(weight.dtype), dpos.to(pos.dtype), None, None, None, None
 
 
+def _mean_pool_weight(H: int, D: int, block: int, like: torch.Tensor) -> torch.Tensor:
+    """[H, block*D, D]: the linear map that averages a block's l rows."""
+    eye = torch.eye(D, device=like.device, dtype=like.dtype) / block
+    return eye.repeat(block, 1).expand(H, -1, -1)
+
+
 def compress_kv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, cu_seqlens: torch.Tensor,
-                block: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+                block: int, stride: int, proj: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """phi over every block of a packed stream (the contract of flash_msa.reference.compress_kv).
 
     Args:
         x: [T, H, D] keys or values (after RoPE for keys).
-        weight: [H, block*D, D]; pos: [H, block, D].
+        weight: [H, block*D, D]; pos: [H, block, D]; proj: optional [H, D, D], the second layer
+            of phi on top of mean pooling (compression/naive.py).
         cu_seqlens: int32 [N+1]; block, stride: l and d, l a multiple of d.
 
     Returns:
         (x_cmp [T//stride, H, D] in x's dtype, zero past cu_cmp[-1]; cu_cmp int32 [N+1]).
-        Differentiable in x, weight and pos.
+        Differentiable in x, weight, pos and proj.
     """
     if block % stride != 0:
         raise ValueError(f"block ({block}) must be a multiple of stride ({stride})")
     T = x.shape[0]
     cu_cmp, first, valid = _block_rows(cu_seqlens, T, block, stride)
     if first.numel() == 0:
-        out = x[:0] + 0 * (weight.sum() + pos.sum())  # [0, H, D], keeps every input in the graph
+        extra = 0 if proj is None else proj.sum()
+        out = x[:0] + 0 * (weight.sum() + pos.sum() + extra)  # [0, H, D], keeps every input in the graph
         return out, cu_cmp
-    return CompressFunction.apply(x.contiguous(), weight, pos, first, valid, block, stride), cu_cmp
+    if proj is None:
+        return CompressFunction.apply(x.contiguous(), weight, pos, first, valid, block, stride), cu_cmp
+    # One gathered-block matmul yields both the MLP's hidden layer and the block mean:
+    # [W | mean-pooling], so the blocks are read once.
+    H, D = x.shape[1], x.shape[2]
+    w_cat = torch.cat([weight, _mean_pool_weight(H, D, block, weight)], dim=-1)  # [H, l*D, 2D]
+    both = CompressFunction.apply(x.contiguous(), w_cat, pos, first, valid, block, stride)  # [Tc, H, 2D]
+    hidden, mean = both[..., :D], both[..., D:]
+    out = mean + torch.bmm(F.gelu(hidden.float()).to(x.dtype).transpose(0, 1), proj.to(x.dtype)).transpose(0, 1)
+    return out, cu_cmp

@@ -4,10 +4,15 @@ Everything works on one packed stream ``[T, H, D]`` plus ``cu_seqlens``.
 
 Compression (phi). Compressed token i of a sequence covers its keys ``[i*d, i*d + l)``
 (block l, stride d); a sequence of length L has ``(L - l)//d + 1`` of them (0 when L < l).
-phi is a learned per-KV-head linear map of the block's l keys (or values), each first
-shifted by a learned intra-block position encoding:
+phi is a learned per-KV-head MLP over the block's l keys (or values), each first shifted by
+a learned intra-block position encoding, with a mean-pooling skip path:
 
-    x_cmp[i, h] = W[h]^T · flatten_j( x[i*d + j, h] + pos[h, j] ),   W[h]: [l*D, D]
+    X_j     = x[i*d + j, h] + pos[h, j]                                  j < l
+    x_cmp   = mean_j X_j + P[h]^T gelu( W[h]^T flatten_j X_j ),   W[h]: [l*D, D], P[h]: [D, D]
+
+Without ``proj`` (P) phi is the linear map ``W[h]^T flatten_j X_j``; there the position
+encoding only adds a constant per head (which softmax over compressed keys ignores), so the
+model always passes P, through which pos matters.
 
 The compressed rows of all sequences are packed back to back, sequence s owning rows
 ``[cu_cmp[s], cu_cmp[s+1])``; the buffer has ``T // d`` rows (an upper bound that needs no
@@ -28,6 +33,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from flash_msa.selection.naive import _acc_dtype, masked_softmax_av, run_chunk
 from flash_msa.utils.varlen import compressed_cu_seqlens, token_seq_bounds
@@ -35,9 +41,9 @@ from flash_msa.utils.varlen import compressed_cu_seqlens, token_seq_bounds
 
 def compress_kv(
     x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, cu_seqlens: torch.Tensor,
-    block: int, stride: int,
+    block: int, stride: int, proj: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """phi over every block: x [T, H, D], weight [H, block*D, D], pos [H, block, D].
+    """phi over every block: x [T, H, D], weight [H, block*D, D], pos [H, block, D], proj [H, D, D].
 
     Returns (x_cmp [T//stride, H, D] in x's dtype, cu_cmp int32 [N+1]).
     """
@@ -50,8 +56,11 @@ def compress_kv(
     first_key = cu_seqlens.to(torch.int64)[seq] + (rows - cu_cmp.to(torch.int64)[seq]) * stride  # [Tc]
     keys = (first_key[:, None] + torch.arange(block, device=x.device)).clamp_max(T - 1)  # [Tc, l]
     blocks = x[keys].to(acc) + pos.to(acc).transpose(0, 1)  # [Tc, l, H, D]
-    blocks = blocks.permute(2, 0, 1, 3).reshape(H, -1, block * D)  # [H, Tc, l*D]
-    out = torch.bmm(blocks, weight.to(acc)).transpose(0, 1)  # [Tc, H, D]
+    hidden = torch.bmm(blocks.permute(2, 0, 1, 3).reshape(H, -1, block * D), weight.to(acc))  # [H, Tc, D]
+    if proj is None:
+        out = hidden.transpose(0, 1)
+    else:
+        out = blocks.mean(1) + torch.bmm(F.gelu(hidden), proj.to(acc)).transpose(0, 1)  # [Tc, H, D]
     return (out * valid[:, None, None]).to(x.dtype), cu_cmp
 
 
@@ -167,7 +176,7 @@ def _sequences(cu_seqlens: torch.Tensor):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def compress_kv_naive(x, weight, pos, cu_seqlens, block, stride):
+def compress_kv_naive(x, weight, pos, cu_seqlens, block, stride, proj=None):
     """Same contract as :func:`compress_kv`, one compressed token at a time."""
     T, H, D = x.shape
     acc = _acc_dtype(x)
@@ -175,7 +184,10 @@ def compress_kv_naive(x, weight, pos, cu_seqlens, block, stride):
     for s0, s1 in _sequences(cu_seqlens):
         for i in range(0, max(0, (s1 - s0 - block) // stride + 1)):
             blk = x[s0 + i * stride: s0 + i * stride + block].to(acc) + pos.to(acc).transpose(0, 1)  # [l, H, D]
-            rows.append(torch.stack([blk[:, h].reshape(-1) @ weight[h].to(acc) for h in range(H)]))
+            hidden = [blk[:, h].reshape(-1) @ weight[h].to(acc) for h in range(H)]
+            if proj is not None:
+                hidden = [blk[:, h].mean(0) + F.gelu(hidden[h]) @ proj[h].to(acc) for h in range(H)]
+            rows.append(torch.stack(hidden))
     out = torch.zeros(T // stride, H, D, dtype=acc, device=x.device)
     if rows:
         out = torch.cat([torch.stack(rows), out[len(rows):]])

@@ -51,6 +51,27 @@ def test_compress_matches_reference(case, l, d, device):
         assert_close(name, g, r, _tol(device))
 
 
+@pytest.mark.parametrize("case", ["varlen", "shorter-than-block"])
+def test_compress_mlp_matches_reference(case, device):
+    """phi with its second layer (the model's configuration): mean pooling + proj^T gelu(W^T X)."""
+    dtype = _dtype(device)
+    cu = torch.tensor(CASES[case], dtype=torch.int32, device=device)
+    T, HK, D, l, d = CASES[case][-1], 2, 16, 32, 16
+    x = torch.randn(T, HK, D, device=device, dtype=dtype, requires_grad=True)
+    w, pos = _params(HK, D, l, device, dtype)
+    proj = (torch.randn(HK, D, D, device=device) / D ** 0.5).to(dtype).requires_grad_()
+    out, _ = compress_kv(x, w, pos, cu, l, d, proj=proj)
+    ref, _ = reference.compress_kv(x, w, pos, cu, l, d, proj=proj)
+    naive, _ = reference.compress_kv(x, w, pos, cu, l, d, form="naive", proj=proj)
+    assert_close("naive", naive, ref, 1e-5)
+    assert_close("x_cmp", out, ref, _tol(device))
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, w, pos, proj), do)
+    refs = torch.autograd.grad(ref, (x, w, pos, proj), do)
+    for name, g, r in zip(("dx", "dweight", "dpos", "dproj"), grads, refs):
+        assert_close(name, g, r, _tol(device))
+
+
 def test_compress_backward_is_deterministic(device):
     cu = torch.tensor([0, 50, 130], dtype=torch.int32, device=device)
     x = torch.randn(130, 2, 16, device=device, dtype=_dtype(device), requires_grad=True)

@@ -18,6 +18,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 LOGGERS = ("none", "wandb")
+OPTIMIZERS = ("torch", "deepspeed")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -78,10 +79,12 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     sp_degree: int = 1                   # sequence parallel degree (Ulysses); only 1 today
     backend: str = "auto"                # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    optimizer: str = "torch"             # torch (torch.optim.AdamW) | deepspeed (FusedAdam / cpu_adam, JIT-built)
 
     def __post_init__(self):
         _choice("parallel.zero_stage", self.zero_stage, (0, 1, 2, 3))
         _choice("parallel.backend", self.backend, BACKENDS)
+        _choice("parallel.optimizer", self.optimizer, OPTIMIZERS)
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("parallel.offload_optimizer=true needs parallel.zero_stage in 1, 2, 3")
         if self.offload_params and self.zero_stage != 3:

@@ -68,8 +68,7 @@ class Trainer:
             precision = "bf16" if self.device.type == "cuda" else "fp32"
         self.bf16 = precision == "bf16"
         self.ds_config = build_deepspeed_config(
-            cfg.parallel, cfg.train, world_size=self.dist.world_size, bf16=self.bf16,
-            torch_adam=self.device.type != "cuda")
+            cfg.parallel, cfg.train, world_size=self.dist.world_size, bf16=self.bf16)
         self.run_dir = Path(cfg.train.output_dir).resolve()
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +97,9 @@ class Trainer:
                      cfg.model.name, cfg.model.model_type, self.n_params / 1e6, cfg.attention.name,
                      cfg.parallel.zero_stage, "bf16" if self.bf16 else "fp32", self.device.type, self.dist.world_size)
         self._init_context = model_init_context(cfg.parallel.zero_stage, self.ds_config)  # kept alive: see its doc
-        self.model = build_model(cfg.model, cfg.attention, dtype=torch.float32, init_context=self._init_context)
+        # Built directly in the training dtype: DeepSpeed's bf16 optimizer keeps its own fp32 master copy.
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.model = build_model(cfg.model, cfg.attention, dtype=dtype, init_context=self._init_context)
         if len(self.tokenizer) > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but model vocab_size is "
                              f"{self.model.config.vocab_size} (tokenizer vocab {vocab}): set model.hf_config.vocab_size")

@@ -78,8 +78,8 @@ def full_attention_forward(module, query, key, value, attention_mask=None, scali
     if one_doc:
         out = _sdpa_causal(query, key, value, scaling)
     elif (_varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
-        q = query[0].transpose(0, 1)  # [T, HQ, D]
-        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        q = query[0].transpose(0, 1).contiguous()  # [T, HQ, D]
+        k, v = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
         group = HQ // k.shape[1]
         extra = dict(_VARLEN_CAUSAL)
         if "scale" in _VARLEN_PARAMS:

@@ -6,16 +6,19 @@ from typing import Any, Dict
 from msa_train.config import ParallelConfig, TrainConfig
 
 
-def build_deepspeed_config(parallel: ParallelConfig, train: TrainConfig, *, world_size: int, bf16: bool,
-                           torch_adam: bool) -> Dict[str, Any]:
+def build_deepspeed_config(parallel: ParallelConfig, train: TrainConfig, *, world_size: int,
+                           bf16: bool) -> Dict[str, Any]:
     """DeepSpeed config dict for ZeRO ``parallel.zero_stage`` with AdamW and warmup + cosine LR.
 
     Args:
         world_size: data-parallel ranks (one packed sequence per rank per micro step).
         bf16: train in bf16 with fp32 master weights (DeepSpeed's bf16 optimizer).
-        torch_adam: use torch's AdamW instead of DeepSpeed's FusedAdam / cpu_adam (those JIT-compile
-            C++/CUDA extensions on first use, minutes on a CPU-only machine).
+
+    ``parallel.optimizer=torch`` (default) uses torch's AdamW; ``deepspeed`` uses DeepSpeed's
+    FusedAdam, or cpu_adam with optimizer offload, which JIT-compile C++/CUDA extensions on first
+    use (minutes, and a compiler must be present) but step faster, cpu_adam much faster.
     """
+    torch_adam = parallel.optimizer == "torch"
     zero: Dict[str, Any] = {"stage": parallel.zero_stage}
     if parallel.zero_stage >= 1:
         zero.update(contiguous_gradients=True, overlap_comm=False, reduce_scatter=True)
@@ -35,6 +38,8 @@ def build_deepspeed_config(parallel: ParallelConfig, train: TrainConfig, *, worl
         "fp16": {"enabled": False},
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
+        # torch's AdamW on offloaded (host) optimizer state: allowed, slower than cpu_adam
+        "zero_force_ds_cpu_optimizer": not torch_adam,
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": train.lr, "betas": list(train.betas), "eps": 1e-8,

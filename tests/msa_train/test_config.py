@@ -61,10 +61,11 @@ def test_cli_reports_errors_before_any_work_and_help_lists_recipes(tmp_path):
 def test_deepspeed_json_is_generated_from_the_typed_config():
     ds = build_deepspeed_config(ParallelConfig(zero_stage=3, offload_optimizer=True, offload_params=True),
                                 TrainConfig(grad_accum=4, grad_clip=0.5, lr=1e-4, steps=100, warmup_steps=10),
-                                world_size=8, bf16=True, torch_adam=False)
+                                world_size=8, bf16=True)
     assert ds["train_batch_size"] == 32 and ds["gradient_accumulation_steps"] == 4
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"]
+    assert ds["optimizer"]["params"]["torch_adam"] and not ds["zero_force_ds_cpu_optimizer"]
     assert ds["scheduler"]["type"] == "WarmupCosineLR" and ds["scheduler"]["params"]["total_num_steps"] == 100

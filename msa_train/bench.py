@@ -1,0 +1,136 @@
+"""End-to-end training throughput: one recipe under attention=full|nsa|fmsa over sequence lengths.
+
+    python -m msa_train.bench --recipe tiny --attention full,nsa,fmsa --seq-lens 512,1024 --steps 6
+    python -m msa_train.bench --recipe llama3_8b_64k --seq-lens 65536,131072,262144 -- data=generated model.path=...
+
+Every (attention, seq_len) point is a fresh ``msa-train`` process (no state shared between points)
+with the given recipe, on the generated corpus with documents as long as the sequence unless
+other data overrides follow ``--``. Tokens/s is the mean over the steps after ``--warmup``.
+Writes ``benchmarks/results/e2e_<recipe>_<device>.json``, a markdown table beside it, and a PNG
+(tokens/s and speedup over attention=full) when matplotlib is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_point(recipe: str, attention: str, seq_len: int, steps: int, extra: List[str], workdir: Path,
+              timeout: int) -> Dict:
+    out_dir = workdir / f"{attention}_{seq_len}"
+    args = [f"recipe={recipe}", f"attention={attention}", f"train.seq_len={seq_len}", f"train.steps={steps}",
+            f"train.output_dir={out_dir}", "train.save_final=false", "train.save_hf=false",
+            "train.progress=false", "train.warmup_steps=1",
+            "data=generated", f"data.num_docs={steps + 2}", f"data.min_doc_tokens={max(64, seq_len // 2)}",
+            f"data.max_doc_tokens={seq_len}", *extra]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "msa_train.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    point = {"attention": attention, "seq_len": seq_len, "steps": steps, "ok": proc.returncode == 0}
+    if proc.returncode != 0:
+        tail = proc.stderr[-2000:]
+        point["error"] = "OOM" if "out of memory" in tail.lower() else tail.strip().splitlines()[-1:]
+        return point
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return point | {"records": records, "summary": json.loads((out_dir / "summary.json").read_text())}
+
+
+def summarise(point: Dict, warmup: int) -> Optional[float]:
+    if not point.get("ok"):
+        return None
+    timed = [r["tokens_per_s"] for r in point["records"] if r["step"] > warmup] or \
+        [r["tokens_per_s"] for r in point["records"]]
+    return sum(timed) / len(timed)
+
+
+def write_outputs(result: Dict, stem: Path) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    atts, lens = result["attention"], result["seq_lens"]
+    table = {(p["attention"], p["seq_len"]): p for p in result["points"]}
+    lines = [f"# End-to-end training throughput: recipe `{result['recipe']}` on {result['device']}", "",
+             "tokens/s per device (mean after warmup); speedup = tokens/s / attention=full at the same length.", "",
+             "| seq_len | " + " | ".join(f"{a} tok/s" for a in atts) + " | " +
+             " | ".join(f"{a} speedup" for a in atts if a != "full") + " |",
+             "|---" * (1 + len(atts) + len([a for a in atts if a != "full"])) + "|"]
+    for T in lens:
+        tps = {a: table[(a, T)].get("tokens_per_s") for a in atts}
+        cells = [f"{tps[a]:,.0f}" if tps[a] else table[(a, T)].get("error", "failed") for a in atts]
+        base = tps.get("full")
+        speed = [f"{tps[a] / base:.2f}x" if (tps[a] and base) else "-" for a in atts if a != "full"]
+        lines.append(f"| {T:,} | " + " | ".join(map(str, cells)) + " | " + " | ".join(speed) + " |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for a in atts:
+        xs = [T for T in lens if table[(a, T)].get("tokens_per_s")]
+        ax1.plot(xs, [table[(a, T)]["tokens_per_s"] for T in xs], marker="o", label=a)
+        if a != "full":
+            xs2 = [T for T in xs if table[("full", T)].get("tokens_per_s")] if "full" in atts else []
+            ax2.plot(xs2, [table[(a, T)]["tokens_per_s"] / table[("full", T)]["tokens_per_s"] for T in xs2],
+                     marker="o", label=a)
+    for ax, title in ((ax1, "tokens/s"), (ax2, "speedup over full")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"{result['recipe']} on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=120)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: List[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default="tiny")
+    p.add_argument("--attention", default="full,nsa,fmsa")
+    p.add_argument("--seq-lens", default="512,1024")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="steps excluded from the mean")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per point")
+    p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/e2e_<recipe>_<device>)")
+    args = p.parse_args(argv)
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    tag = "cpu" if device == "cpu" else device.split()[-1].lower()
+    atts = args.attention.split(",")
+    lens = [int(x) for x in args.seq_lens.split(",")]
+    points = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for T in lens:
+            for a in atts:
+                point = run_point(args.recipe, a, T, args.steps, extra, Path(tmp), args.timeout)
+                point["tokens_per_s"] = summarise(point, args.warmup)
+                point.pop("records", None)
+                points.append(point)
+                print(f"{a:>5} T={T:>8}: " + (f"{point['tokens_per_s']:,.0f} tok/s" if point["tokens_per_s"]
+                                              else f"failed ({point.get('error')})"), flush=True)
+    result = {"recipe": args.recipe, "device": device, "attention": atts, "seq_lens": lens, "steps": args.steps,
+              "warmup": args.warmup, "extra_overrides": extra, "points": points}
+    stem = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"e2e_{args.recipe}_{tag}"
+    write_outputs(result, stem)
+    print(stem.with_suffix(".md").read_text())
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""The end-to-end benchmark's report: JSON + markdown table with speedups over attention=full."""
+import json
+
+from msa_train.bench import write_outputs
+
+
+def test_bench_report_tables_speedup_and_failures(tmp_path):
+    result = {"recipe": "tiny", "device": "cpu", "attention": ["full", "fmsa"], "seq_lens": [512, 1024],
+              "points": [{"attention": "full", "seq_len": 512, "tokens_per_s": 1000.0, "ok": True},
+                         {"attention": "fmsa", "seq_len": 512, "tokens_per_s": 2500.0, "ok": True},
+                         {"attention": "full", "seq_len": 1024, "tokens_per_s": None, "ok": False, "error": "OOM"},
+                         {"attention": "fmsa", "seq_len": 1024, "tokens_per_s": 2000.0, "ok": True}]}
+    write_outputs(result, tmp_path / "e2e_tiny_cpu")
+    assert json.loads((tmp_path / "e2e_tiny_cpu.json").read_text())["recipe"] == "tiny"
+    md = (tmp_path / "e2e_tiny_cpu.md").read_text()
+    assert "| 512 | 1,000 | 2,500 | 2.50x |" in md
+    assert "| 1,024 | OOM | 2,000 | - |" in md

@@ -87,3 +87,11 @@ def test_finetune_saved_model_on_user_jsonl(tmp_path):
         assert torch.equal(params[name].detach(), tensor), name
     summary = trainer.train()
     assert summary["steps"] == 2 and summary["final_loss"] is not None
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path):
+    """HF layer checkpointing re-runs attention (and the NSA hidden-state hook) in backward."""
+    common = ["train.steps=2", "train.seq_len=256", *FAST]
+    _, plain = train([*common, f"train.output_dir={tmp_path / 'a'}"])
+    _, ckpt = train([*common, "parallel.activation_checkpointing=true", f"train.output_dir={tmp_path / 'b'}"])
+    assert [r["loss"] for r in plain] == [r["loss"] for r in ckpt]

@@ -89,7 +89,6 @@ class Trainer:
         from msa_train.parallel import model_init_context
 
         cfg = self.cfg
-        vocab = getattr(self.tokenizer, "vocab_size", None)
         # Meta-device dry run first: a bad model config fails here, before any memory is allocated.
         self.n_params, self.n_embedding = count_parameters(cfg.model, cfg.attention)
         if self.dist.is_main:
@@ -101,8 +100,8 @@ class Trainer:
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.model = build_model(cfg.model, cfg.attention, dtype=dtype, init_context=self._init_context)
         if len(self.tokenizer) > self.model.config.vocab_size:
-            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but model vocab_size is "
-                             f"{self.model.config.vocab_size} (tokenizer vocab {vocab}): set model.hf_config.vocab_size")
+            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
+                             f"{self.model.config.vocab_size}: set model.hf_config.vocab_size >= {len(self.tokenizer)}")
 
     def _build_parallelize(self) -> None:
         from msa_train.models.causal_lm import CausalLMWithLoss
@@ -153,19 +152,18 @@ class Trainer:
         self._attn_dim = hf.num_attention_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
 
     # ------------------------------------------------------------------ data
-    def _next_item(self) -> Dict[str, Any]:
-        try:
-            index = next(self._sampler_iter)
-        except StopIteration:  # epoch boundary: the sampler moves to its next epoch's order
-            self._sampler_iter = iter(self.sampler)
-            index = next(self._sampler_iter)
-        return self.dataset[index]
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device without a host sync: a copy from pageable memory would wait for the
+        stream, so stage through pinned memory and copy asynchronously."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _next_batch(self) -> Dict[str, Any]:
         """One micro-batch on the host: validated once here so the model runs with trusted inputs."""
         from flash_msa.utils.validation import check_cu_seqlens
 
-        item = self._next_item()
+        item = self.dataset[next(self._sampler_iter)]  # the sampler is infinite: epochs reshuffle
         input_ids, cu = item["input_ids"], item["cu_seqlens"]
         check_cu_seqlens(cu, 1, input_ids.shape[0], torch.device("cpu"))
         lengths = (cu[1:] - cu[:-1]).double()
@@ -191,12 +189,11 @@ class Trainer:
         # Token-weighted loss: divide by the label tokens of the whole global batch. Counted on the
         # host, summed across ranks on the device (a collective, not a host sync).
         n_local = sum(int((m["targets"] != IGNORE_INDEX).sum()) for m in micro)
-        n_global = torch.tensor(float(n_local), device=self.device)
+        n_global = self._to_device(torch.tensor(float(n_local)))
         dist.all_reduce(n_global)
         loss_sum = torch.zeros((), device=self.device)
         for m in micro:
-            batch = {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v)
-                     for k, v in m.items() if k != "mean_context"}
+            batch = {k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items() if k != "mean_context"}
             # 2. forward (cu_seqlens already validated on the host: skip per-layer value checks).
             with trusted_inputs():
                 micro_loss_sum = self.engine(**batch)

@@ -10,6 +10,7 @@ modules. Launchers (torchrun, deepspeed, accelerate launch) only set environment
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict
 
 import torch.nn as nn
@@ -73,8 +74,25 @@ def build_engine(model: nn.Module, ds_config: Dict[str, Any]):
         (engine, optimizer, lr_scheduler)
     """
     import deepspeed
+    from deepspeed.utils import logger as ds_logger
 
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
+    # WarmupCosineLR warns that it has not started while the engine is built; the trainer starts it
+    # right after (see Trainer._build_optimizer), so the warning is noise.
+    quiet = _DropMessage("before it has started")
+    ds_logger.addFilter(quiet)
+    try:
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
+    finally:
+        ds_logger.removeFilter(quiet)
     return engine, optimizer, scheduler
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, fragment: str):
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in record.getMessage()
 

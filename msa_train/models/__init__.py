@@ -7,10 +7,10 @@ gates need, switches ``config._attn_implementation`` to one of our registered ba
 records the attention config in ``config.msa_attention`` so ``save_pretrained`` writes it to
 config.json and :func:`load_pretrained` rebuilds the same model.
 
-NSA parameter initialisation (``NativeSparseAttention.reset_parameters``): the compression maps
-start as mean pooling over the block with zero position encodings, the gate weights at 0 and the
-biases at -ln 2, so every gate starts at 1/3 and a pretrained dense model keeps most of its
-behaviour at step 0.
+NSA parameter initialisation (``NativeSparseAttention.reset_parameters``, owned by flash_msa):
+the compression map phi starts as exactly mean pooling of the block (its output projection is 0),
+the gate weights at 0 and the biases at -ln 2, so every gate starts at 1/3 and a pretrained dense
+model keeps most of its behaviour at step 0.
 """
 from __future__ import annotations
 

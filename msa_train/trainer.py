@@ -43,6 +43,12 @@ def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     return targets
 
 
+def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
+    """Global L2 norm of the gradients (device scalar, no sync)."""
+    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
 class Trainer:
     """torchtitan-style trainer: ``__init__`` is the ordered list of ``_build_*`` steps."""
 
@@ -192,7 +198,8 @@ class Trainer:
         n_global = self._to_device(torch.tensor(float(n_local)))
         dist.all_reduce(n_global)
         loss_sum = torch.zeros((), device=self.device)
-        for m in micro:
+        grad_norm = None
+        for i, m in enumerate(micro):
             batch = {k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items() if k != "mean_context"}
             # 2. forward (cu_seqlens already validated on the host: skip per-layer value checks).
             with trusted_inputs():
@@ -202,12 +209,16 @@ class Trainer:
             loss = micro_loss_sum * (world * gas) / n_global.clamp_min(1.0)
             # 3. backward, 4. step (DeepSpeed steps the optimizer and LR at the accumulation boundary).
             self.engine.backward(loss)
+            if i == gas - 1 and self.cfg.parallel.zero_stage == 0:
+                # ZeRO 1-3 report the pre-clip norm themselves; stage 0 does not, so take it here,
+                # after the boundary all-reduce and before the clipping step (a device tensor).
+                grad_norm = _grad_norm(self.module)
             self.engine.step()
             loss_sum = loss_sum + micro_loss_sum.detach()
         self.step += 1
         tokens = gas * world * self.cfg.train.seq_len
         self.tokens_seen += tokens
-        return {"loss_sum": loss_sum, "n_global": n_global, "tokens": tokens, "lr": lr,
+        return {"loss_sum": loss_sum, "n_global": n_global, "tokens": tokens, "lr": lr, "grad_norm": grad_norm,
                 "mean_context": sum(m["mean_context"] for m in micro) / gas}
 
     def _log(self, out: Dict[str, Any], elapsed: float, tokens: int) -> Dict[str, Any]:
@@ -215,7 +226,7 @@ class Trainer:
         dist.all_reduce(loss_sum)
         # host syncs, logging only
         loss = (loss_sum / out["n_global"].clamp_min(1.0)).item()
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = out["grad_norm"] if out["grad_norm"] is not None else self.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
         tokens_per_s = tokens / max(elapsed, 1e-9)
         mfu = None

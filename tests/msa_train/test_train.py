@@ -18,8 +18,9 @@ def test_tiny_recipe_trains_30_steps_with_loss_decreasing(tmp_path, attention):
     assert [r["step"] for r in records] == list(range(1, 31))
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 1.0, f"loss did not decrease enough: {first:.3f} -> {last:.3f}"
-    for key in ("loss", "tokens_per_s", "mfu", "peak_memory_gb", "lr"):
+    for key in ("loss", "tokens_per_s", "mfu", "peak_memory_gb", "lr", "grad_norm"):
         assert key in records[0]
+    assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["lr"] > 0 for r in records)
     assert summary["steps"] == 30 and summary["final_loss"] == losses[-1]
     assert json.loads((tmp_path / "summary.json").read_text())["attention"] == attention
     assert (tmp_path / "config.json").is_file() and (tmp_path / "deepspeed_config.json").is_file()

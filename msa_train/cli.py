@@ -83,6 +83,9 @@ def _quiet_libraries() -> None:
 def main() -> None:
     import hydra
 
+    if not (CONFIG_DIR / "config.yaml").is_file() or not RECIPE_DIR.is_dir():
+        raise SystemExit(f"msa-train: no configs at {CONFIG_DIR} / recipes at {RECIPE_DIR}. They live in the "
+                         "repository beside the package: install it editable (pip install -e <repo>).")
     register_all()
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call that checks and measures everything that needs the H200, stage by stage,
+# each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
+# wheels of scripts/gpu_wheels.sh carried in .whl/:
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tiny e2e nsa selected (default: all)
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD/kernels:$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+stages=${*:-tests tiny e2e nsa}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+for stage in $stages; do
+  case $stage in
+    tests)  # every kernel test on CUDA (bf16 against fp32 references)
+      timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+    tiny)   # the default recipe on the GPU with the Flash-MSA kernels
+      timeout 90 python3 -m msa_train.cli recipe=tiny attention=fmsa train.output_dir="$OUT/tiny_fmsa" \
+        train.save_hf=false train.progress=false 2>&1 | tail -15 | tee "$OUT/tiny_fmsa.log"
+      cp "$OUT/tiny_fmsa/metrics.jsonl" "$OUT/tiny_fmsa_metrics.jsonl" 2>/dev/null
+      cp "$OUT/tiny_fmsa/summary.json" "$OUT/tiny_fmsa_summary.json" 2>/dev/null
+      rm -rf "$OUT/tiny_fmsa" ;;
+    e2e)    # end-to-end tokens/s, Llama3-8B layer shapes (4 layers), full vs nsa vs fmsa
+      timeout 150 python3 -m msa_train.bench --recipe llama3_8b_64k --attention full,nsa,fmsa \
+        --seq-lens 32768,65536 --steps 4 --out "$OUT/e2e_llama3_8b_4layers_h200" \
+        -- model.hf_config.num_hidden_layers=4 2>&1 | tail -15 | tee "$OUT/e2e.log" ;;
+    nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed results)
+      timeout 100 python3 scripts/bench_nsa.py --out "$OUT" --Ts 65536,262144 --models llama3_8b \
+        --dense-from benchmarks/results/nsa_h200.json --budget-s 60 2>&1 | tail -20 | tee "$OUT/nsa.log" ;;
+    selected)
+      timeout 150 python3 scripts/bench_selected.py --out "$OUT" --Ts 65536 --Gs 4,5 2>&1 | tail -20 | tee "$OUT/selected.log" ;;
+  esac
+done
+ls -la "$OUT"

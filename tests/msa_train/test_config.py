@@ -16,9 +16,9 @@ def test_every_recipe_composes_and_validates(recipe):
     assert cfg.model.hf_config or cfg.model.path
 
 
-def test_bare_config_is_tiny_with_nsa():
+def test_bare_config_is_tiny_with_nsa_auto():
     cfg = compose([])
-    assert cfg.recipe_name == "tiny" and cfg.model.model_type == "llama" and cfg.attention.name == "nsa"
+    assert cfg.recipe_name == "tiny" and cfg.model.model_type == "llama" and cfg.attention.name == "auto"
 
 
 @pytest.mark.parametrize("override, expected", [

@@ -60,7 +60,7 @@ def test_bare_command_runs_the_tiny_recipe(tmp_path):
     out = run_cli(["train.steps=3", f"train.output_dir={tmp_path}", "data.num_docs=48"])
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["recipe"] == "tiny" and summary["attention"] == "nsa" and summary["steps"] == 3
+    assert summary["recipe"] == "tiny" and summary["attention"] == "auto" and summary["steps"] == 3
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
     assert len(read_metrics(tmp_path)) == 3
 

@@ -201,14 +201,16 @@ class Trainer:
         grad_norm = None
         for i, m in enumerate(micro):
             batch = {k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items() if k != "mean_context"}
-            # 2. forward (cu_seqlens already validated on the host: skip per-layer value checks).
+            # cu_seqlens was validated on the host: skip flash_msa's per-layer value checks (a host
+            # sync each) in the forward and in the backward, whose activation checkpointing re-runs it.
             with trusted_inputs():
+                # 2. forward
                 micro_loss_sum = self.engine(**batch)
-            # DeepSpeed averages gradients over ranks and divides by grad_accum; undo both so the
-            # gradient is that of (sum of token losses) / (global label tokens).
-            loss = micro_loss_sum * (world * gas) / n_global.clamp_min(1.0)
-            # 3. backward, 4. step (DeepSpeed steps the optimizer and LR at the accumulation boundary).
-            self.engine.backward(loss)
+                # DeepSpeed averages gradients over ranks and divides by grad_accum; undo both so the
+                # gradient is that of (sum of token losses) / (global label tokens).
+                loss = micro_loss_sum * (world * gas) / n_global.clamp_min(1.0)
+                # 3. backward, 4. step (DeepSpeed steps the optimizer and LR at the accumulation boundary).
+                self.engine.backward(loss)
             if i == gas - 1 and self.cfg.parallel.zero_stage == 0:
                 # ZeRO 1-3 report the pre-clip norm themselves; stage 0 does not, so take it here,
                 # after the boundary all-reduce and before the clipping step (a device tensor).

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from flash_msa import reference
 from flash_msa.compression.interface import TRITON_BRANCHES
-from flash_msa.selection.interface import ALL_IMPLS, SELECTED_BLOCK_SIZES, selected_attention
+from flash_msa.selection.interface import ALL_IMPLS, SELECTED_BLOCK_SIZES, run_selected
 from flash_msa.utils.validation import (
     check_block_size, check_cu_seqlens, check_positive_int, check_qkv, check_scale, check_tensor)
 from flash_msa.utils.varlen import flatten_batch
@@ -81,8 +81,8 @@ def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
     o_cmp, lse = branches.compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, cmp_block, cmp_stride, scale)
     idx = branches.select_blocks(q.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp,
                                  cmp_block, cmp_stride, slc_block, slc_topk, scale)  # [T, HK, n]
-    o_slc = selected_attention(q[None], k[None], v[None], idx[None], block_size=slc_block,
-                               cu_seqlens=cu, scale=scale, impl=selected_impl)[0]
+    # idx comes from our own top-k (distinct, in range): no second validation
+    o_slc = run_selected(q[None], k[None], v[None], idx[None], slc_block, cu, scale, selected_impl)[0]
     o_swa = branches.window_attention(q, k, v, cu, window, scale)
     return getattr(branches, "combine", _combine)(gates, o_cmp, o_slc, o_swa, q.dtype)
 

@@ -14,7 +14,9 @@ def qkv(**over):
 
 
 def idx(S=2, **over):
-    return torch.zeros(1, T, HK, S, dtype=torch.int32)
+    bi = torch.full((1, T, HK, S), -1, dtype=torch.int32)
+    bi[..., 0] = 0
+    return bi
 
 
 CU = torch.tensor([0, 10, T], dtype=torch.int32)
@@ -49,6 +51,14 @@ def test_selected_attention_errors(case):
     bi = call.pop("block_indices")
     with pytest.raises(exc, match=msg):
         flash_msa.selected_attention(args["q"], args["k"], args["v"], bi, **call)
+
+
+def test_repeated_block_index_rejected():
+    t = qkv()
+    bi = torch.full((1, T, HK, 3), -1, dtype=torch.int32)
+    bi[0, 20, 1, 0] = bi[0, 20, 1, 2] = 1
+    with pytest.raises(ValueError, match=r"distinct entries per query .*block_indices\[0, 20, 1\] repeats block 1"):
+        flash_msa.selected_attention(t["q"], t["k"], t["v"], bi, block_size=16, impl="reference")
 
 
 def test_batched_cu_seqlens_rejected():

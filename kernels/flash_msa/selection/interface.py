@@ -10,7 +10,7 @@ from flash_msa.selection.fmsa import fmsa_selected_attention
 from flash_msa.selection.naive import selected_attention_chunked
 from flash_msa.selection.nsa import nsa_selected_attention
 from flash_msa.utils.validation import (
-    check_block_indices, check_block_size, check_cu_seqlens, check_qkv, check_scale)
+    check_block_indices, check_block_size, check_distinct_entries, check_cu_seqlens, check_qkv, check_scale)
 from flash_msa.utils.varlen import flatten_batch
 
 SELECTED_BLOCK_SIZES = (16, 32, 64, 128)
@@ -59,8 +59,9 @@ def selected_attention(
         k, v: [B, T, HK, D] keys and values, HQ a multiple of HK (GQA group 1..16).
         block_indices: int32 [B, T, HK, S]. Entry b >= 0 names KV block b of the query's
             sequence (keys [b*block_size, (b+1)*block_size) counted from the sequence start);
-            -1 means unused. Entries of one query are distinct; entries past the query's own
-            block are ignored; keys after the query are masked (causal).
+            -1 means unused. Entries of one query must be distinct (checked, unless inside
+            ``flash_msa.trusted_inputs()`` on an accelerator); entries past the query's own block
+            are ignored; keys after the query are masked (causal).
         block_size: keys per block, one of 16, 32, 64, 128.
         cu_seqlens: optional int32 [N+1] offsets of N packed sequences (then B == 1).
         scale: softmax scale, default 1/sqrt(D).
@@ -72,13 +73,19 @@ def selected_attention(
     """
     B, T, HQ, HK, D = check_qkv(q, k, v)
     check_cu_seqlens(cu_seqlens, B, T, q.device)
-    S = check_block_indices(block_indices, B, T, HK, q.device)
+    check_block_indices(block_indices, B, T, HK, q.device)
+    check_distinct_entries(block_indices)
     check_block_size("block_size", block_size, SELECTED_BLOCK_SIZES)
     scale = check_scale(scale, D)
     if impl not in ALL_IMPLS:
         raise ValueError(f"impl must be one of {ALL_IMPLS}, got {impl!r}")
+    return run_selected(q, k, v, block_indices, block_size, cu_seqlens, scale, impl)
+
+
+def run_selected(q, k, v, block_indices, block_size: int, cu_seqlens, scale: float, impl: str) -> torch.Tensor:
+    """Dispatch without validation, for callers whose inputs are already checked (nsa_attention)."""
     if impl == "auto":
-        impl = choose_impl(q, k, S, block_size)
+        impl = choose_impl(q, k, block_indices.shape[-1], block_size)
     if impl not in IMPLS:
         available = ", ".join(["auto", *sorted(IMPLS)])
         raise NotImplementedError(f"selected_attention impl={impl!r} is not available in this build; available: {available}")

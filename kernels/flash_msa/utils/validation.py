@@ -122,6 +122,22 @@ def check_block_indices(block_indices, B: int, T: int, HK: int, device: torch.de
     return S
 
 
+def check_distinct_entries(block_indices: torch.Tensor) -> None:
+    """Entries of one query (-1 aside) must be distinct: a repeat would count its block twice.
+
+    A value check, so it follows the policy of :func:`trusted_inputs` (skipped inside it on an
+    accelerator). Costs one sort of [B, T, HK, S].
+    """
+    if _TRUST_VALUES and block_indices.device.type != "cpu":
+        return
+    s = block_indices.sort(-1).values
+    repeat = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
+    if repeat.any():
+        b, t, h, j = repeat.nonzero()[0].tolist()
+        raise ValueError(f"block_indices must hold distinct entries per query (-1 aside): "
+                         f"block_indices[{b}, {t}, {h}] repeats block {s[b, t, h, j].item()}")
+
+
 def check_scale(scale, D: int) -> float:
     if scale is None:
         return D ** -0.5

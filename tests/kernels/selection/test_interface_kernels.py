@@ -54,7 +54,8 @@ def test_kernel_limits_raise(impl, bad, match, device):
     D, S = bad.get("D", 16), bad.get("S", 2)
     q = torch.zeros(1, 16, 2, D, device=device)
     k = torch.zeros(1, 16, 1, D, device=device)
-    bi = torch.zeros(1, 16, 1, S, dtype=torch.int32, device=device)
+    bi = torch.full((1, 16, 1, S), -1, dtype=torch.int32, device=device)
+    bi[..., 0] = 0
     with pytest.raises(ValueError, match=match):
         selected_attention(q, k, k, bi, block_size=16, impl=impl)
 
@@ -62,7 +63,7 @@ def test_kernel_limits_raise(impl, bad, match, device):
 def test_float64_is_refused_by_kernels(device):
     q = torch.zeros(1, 16, 2, 16, dtype=torch.float64, device=device)
     k = torch.zeros(1, 16, 1, 16, dtype=torch.float64, device=device)
-    bi = torch.zeros(1, 16, 1, 2, dtype=torch.int32, device=device)
+    bi = torch.tensor([0, -1], dtype=torch.int32, device=device).expand(1, 16, 1, 2)
     with pytest.raises(TypeError, match="q dtype must be one of"):
         selected_attention(q, k, k, bi, block_size=16, impl="fmsa")
 

@@ -41,7 +41,7 @@ def _adversarial(pattern: str, T: int, bs: int) -> torch.Tensor:
         bi[:, 0, 0] = 0
     elif pattern == "everyone-block1":  # block 1 for all (past the causal limit for block-0 queries)
         bi[:, 0, 2] = 1
-        bi[:, 0, 0] = own
+        bi[:, 0, 0] = torch.where(own == 1, -torch.ones_like(own), own)  # entries stay distinct
     elif pattern == "unsorted-pad-middle":  # distinct, descending, -1 between entries
         bi[:, 0, 0] = own
         bi[:, 0, 2] = (own - 2).clamp_min(-1)
@@ -50,7 +50,6 @@ def _adversarial(pattern: str, T: int, bs: int) -> torch.Tensor:
         bi[:, 0, 0] = own + 1
         bi[:, 0, 1] = own
         bi[:, 0, 2] = own + 3
-        bi[:, 0, 3] = 0
         bi[:, 0, 3] = torch.where(own == 0, torch.full_like(own, 2), torch.zeros_like(own))
     return bi[None]
 

@@ -20,7 +20,7 @@ def _dtype(device):
 
 
 def _tol(device):
-    return 5e-3 if device == "cpu" else 1e-2
+    return 1e-4 if device == "cpu" else 1e-2
 
 
 def _params(HK, D, l, device, dtype):

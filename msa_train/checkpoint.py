@@ -5,7 +5,7 @@ Layout of ``<output_dir>/checkpoints/``::
     step_000020/                 a complete checkpoint (only complete ones carry this name)
       ds/                        DeepSpeed engine.save_checkpoint: model, optimizer, LR scheduler
       rank_00000.pt ...          per rank: torch / CUDA / python RNG states, data sampler state
-      trainer_state.json         step, tokens seen
+      trainer_state.json         step, tokens seen, the settings an exact resume depends on
       COMPLETE                   written last, before the rename
     .tmp_step_000030/            an interrupted write: ignored, removed by the next save
 

@@ -49,6 +49,27 @@ def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
+# train.* settings that change the loss curve; the others (steps, output, logging, checkpoint
+# cadence) may change between a run and its resume.
+RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "warmup_steps", "weight_decay",
+                     "grad_clip", "seed", "precision", "loss_chunk_tokens")
+
+
+def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> None:
+    """Refuse to resume a checkpoint whose run was configured differently: it would not continue exactly."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+    a, b = flat(saved), flat(current)
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if saved and changed:
+        shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:6])
+        raise ValueError(f"train.resume: checkpoint {path} was written by a run configured differently ({shown}); "
+                         "resume with the same settings, or start fresh with train.resume=none and a new train.output_dir")
+
+
 class Trainer:
     """torchtitan-style trainer: ``__init__`` is the ordered list of ``_build_*`` steps."""
 
@@ -136,6 +157,7 @@ class Trainer:
         self.resumed_from = None
         if path is not None:
             trainer_state, rank_state = self.ckpt.load(self.engine, path)
+            check_resume_config(trainer_state.get("run_config", {}), self._run_config(), path)
             self.step = trainer_state["step"]
             self.tokens_seen = trainer_state["tokens_seen"]
             self.sampler.load_state_dict(rank_state["sampler"])
@@ -244,9 +266,16 @@ class Trainer:
         return record
 
     # ------------------------------------------------------------------ loop
+    def _run_config(self) -> Dict[str, Any]:
+        """The settings an exact resume depends on (the model, its attention, the data and its order)."""
+        cfg = dataclasses.asdict(self.cfg)
+        train = {k: cfg["train"][k] for k in RESUME_TRAIN_KEYS}
+        return json.loads(json.dumps({"model": cfg["model"], "attention": cfg["attention"], "data": cfg["data"],
+                                      "train": train, "world_size": self.dist.world_size}, default=str))
+
     def _save(self) -> None:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "recipe": self.cfg.recipe_name,
-                         "world_size": self.dist.world_size}
+                         "world_size": self.dist.world_size, "run_config": self._run_config()}
         self.ckpt.save(self.engine, self.step, trainer_state, {"sampler": self.sampler.state_dict()})
 
     def train(self, stop_after: Optional[int] = None) -> Dict[str, Any]:

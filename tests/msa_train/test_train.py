@@ -42,6 +42,15 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
         assert a["lr"] == pytest.approx(b["lr"], abs=1e-12)
 
 
+def test_resume_refuses_a_checkpoint_of_a_differently_configured_run(tmp_path):
+    common = ["attention=full", "train.steps=4", "train.save_every=2", f"train.output_dir={tmp_path}", *FAST]
+    train(common, stop_after=2)
+    with pytest.raises(ValueError, match=r"train.resume: .*train.seq_len: 512 -> 256"):
+        train([*common, "train.resume=auto", "train.seq_len=256"])
+    summary, _ = train([*common, "train.resume=auto", "train.steps=5"])  # more steps: allowed
+    assert summary["resumed_from"].endswith("step_000002") and summary["steps"] == 5
+
+
 def test_sigkill_during_checkpoint_write_leaves_previous_checkpoint_usable(tmp_path):
     args = ["attention=full", "train.steps=6", "train.save_every=3", f"train.output_dir={tmp_path}", *FAST]
     out = run_cli(args, extra_env={"MSA_TRAIN_CRASH_IN_SAVE": "6"})

@@ -1,7 +1,8 @@
 """``msa-train recipe=NAME key=value ...``: the Hydra entry point.
 
-Configs are found relative to the package (``<repo>/configs``), so the command works from any
-working directory of an editable install. Recipes live in ``<repo>/recipes/*.yaml`` and are
+Configs are found relative to the package, so the command works from any working directory:
+a regular install ships them inside it (``msa_train/_configs``, ``msa_train/_recipes``), an
+editable install reads them in place (``<repo>/configs``, ``<repo>/recipes``). Recipes are
 registered as the ``recipe`` config group (``recipe=tiny`` is the default).
 """
 from __future__ import annotations
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import msa_train
 
-ROOT = Path(msa_train.__file__).resolve().parents[1]
-CONFIG_DIR = ROOT / "configs"
-RECIPE_DIR = ROOT / "recipes"
+PACKAGE = Path(msa_train.__file__).resolve().parent
+_INSTALLED = (PACKAGE / "_configs" / "config.yaml").is_file()
+CONFIG_DIR = PACKAGE / "_configs" if _INSTALLED else PACKAGE.parent / "configs"
+RECIPE_DIR = PACKAGE / "_recipes" if _INSTALLED else PACKAGE.parent / "recipes"
 
 HELP = """msa-train: long-context training with Native Sparse Attention (Hydra CLI).
 
@@ -84,8 +86,8 @@ def main() -> None:
     import hydra
 
     if not (CONFIG_DIR / "config.yaml").is_file() or not RECIPE_DIR.is_dir():
-        raise SystemExit(f"msa-train: no configs at {CONFIG_DIR} / recipes at {RECIPE_DIR}. They live in the "
-                         "repository beside the package: install it editable (pip install -e <repo>).")
+        raise SystemExit(f"msa-train: no configs at {CONFIG_DIR} / recipes at {RECIPE_DIR}: the installation is "
+                         "incomplete; reinstall msa-train (pip install <repo>, or pip install -e <repo>).")
     register_all()
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)

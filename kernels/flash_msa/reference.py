@@ -61,8 +61,12 @@ def nsa_attention(
     cmp_block: int = 32, cmp_stride: int = 16, slc_block: int = 64, slc_topk: int = 16, window: int = 512,
     cu_seqlens: Optional[torch.Tensor] = None, scale: Optional[float] = None, form: str = "chunked",
     return_indices: bool = False, k_cmp_proj: Optional[torch.Tensor] = None, v_cmp_proj: Optional[torch.Tensor] = None,
+    block_indices: Optional[torch.Tensor] = None,
 ):
     """The whole NSA op in plain PyTorch, on [B, T, H, D] inputs (see flash_msa.nsa_attention).
+
+    ``block_indices`` [B, T, HK, n], when given, replaces the selection (to compare a kernel's
+    arithmetic on the blocks it selected, apart from near-tie flips of the selection itself).
 
     Returns o [B, T, HQ, D], and the selected block_indices [B, T, HK, n] if return_indices.
     """
@@ -74,8 +78,11 @@ def nsa_attention(
     k_cmp, cu_cmp = compress_kv(kf, k_cmp_weight, k_cmp_pos, cu, cmp_block, cmp_stride, form, proj=k_cmp_proj)
     v_cmp, _ = compress_kv(vf, v_cmp_weight, v_cmp_pos, cu, cmp_block, cmp_stride, form, proj=v_cmp_proj)
     o_cmp, lse = compressed_attention(qf, k_cmp, v_cmp, cu, cu_cmp, cmp_block, cmp_stride, scale, form)
-    idx = select_blocks(qf.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp, cmp_block, cmp_stride,
-                        slc_block, slc_topk, scale, form)
+    if block_indices is None:
+        idx = select_blocks(qf.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp, cmp_block, cmp_stride,
+                            slc_block, slc_topk, scale, form)
+    else:
+        idx = block_indices.reshape(B * T, HK, -1)
     o_slc = selected_attention(qf, kf, vf, idx, slc_block, cu, scale, form)
     o_swa = window_attention(qf, kf, vf, cu, window, scale, form)
     g = gates.reshape(B * T, HQ, 3).to(torch.promote_types(gates.dtype, torch.float32))

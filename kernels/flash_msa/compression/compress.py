@@ -17,18 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flash_msa.utils.varlen import compressed_cu_seqlens
-
-
-def _block_rows(cu_seqlens: torch.Tensor, T: int, block: int, stride: int):
-    """(cu_cmp int32 [N+1], first key int64 [Tc], valid bool [Tc]) for the T//stride packed rows."""
-    cu_cmp = compressed_cu_seqlens(cu_seqlens, block, stride)
-    cu64, cc64 = cu_seqlens.to(torch.int64), cu_cmp.to(torch.int64)
-    rows = torch.arange(T // stride, device=cu_seqlens.device)
-    seq = torch.searchsorted(cc64[1:], rows, right=True).clamp_max(cu_cmp.numel() - 2)
-    valid = rows < cc64[-1]
-    first = cu64[seq] + (rows - cc64[seq]) * stride
-    return cu_cmp, torch.where(valid, first, torch.zeros_like(first)), valid
+from flash_msa.utils.varlen import compressed_rows
 
 
 def _gather_blocks(x, pos, first, block):
@@ -98,7 +87,7 @@ def compress_kv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, cu_seq
     if block % stride != 0:
         raise ValueError(f"block ({block}) must be a multiple of stride ({stride})")
     T = x.shape[0]
-    cu_cmp, first, valid = _block_rows(cu_seqlens, T, block, stride)
+    cu_cmp, first, valid = compressed_rows(cu_seqlens, T, block, stride)
     if first.numel() == 0:
         extra = 0 if proj is None else proj.sum()
         out = x[:0] + 0 * (weight.sum() + pos.sum() + extra)  # [0, H, D], keeps every input in the graph

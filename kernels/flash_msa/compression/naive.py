@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_msa.selection.naive import _acc_dtype, masked_softmax_av, run_chunk
-from flash_msa.utils.varlen import compressed_cu_seqlens, token_seq_bounds
+from flash_msa.utils.varlen import compressed_cu_seqlens, compressed_rows, token_seq_bounds
 
 
 def compress_kv(
@@ -49,11 +49,7 @@ def compress_kv(
     """
     T, H, D = x.shape
     acc = _acc_dtype(x)
-    cu_cmp = compressed_cu_seqlens(cu_seqlens, block, stride)
-    rows = torch.arange(T // stride, device=x.device)
-    seq = torch.searchsorted(cu_cmp[1:].to(torch.int64), rows, right=True).clamp_max(cu_cmp.numel() - 2)
-    valid = rows < cu_cmp[-1]
-    first_key = cu_seqlens.to(torch.int64)[seq] + (rows - cu_cmp.to(torch.int64)[seq]) * stride  # [Tc]
+    cu_cmp, first_key, valid = compressed_rows(cu_seqlens, T, block, stride)  # [N+1], [Tc], [Tc]
     keys = (first_key[:, None] + torch.arange(block, device=x.device)).clamp_max(T - 1)  # [Tc, l]
     blocks = x[keys].to(acc) + pos.to(acc).transpose(0, 1)  # [Tc, l, H, D]
     hidden = torch.bmm(blocks.permute(2, 0, 1, 3).reshape(H, -1, block * D), weight.to(acc))  # [H, Tc, D]

@@ -43,3 +43,18 @@ def compressed_cu_seqlens(cu_seqlens: torch.Tensor, block: int, stride: int) -> 
     cu = cu_seqlens.to(torch.int64)
     counts = num_compressed(cu[1:] - cu[:-1], block, stride)
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+
+
+def compressed_rows(cu_seqlens: torch.Tensor, T: int, block: int, stride: int):
+    """The T // stride rows of the packed compressed stream.
+
+    Returns (cu_cmp int32 [N+1], first key int64 [Tc] of each row's block (0 for unused rows),
+    valid bool [Tc]).
+    """
+    cu_cmp = compressed_cu_seqlens(cu_seqlens, block, stride)
+    cu64, cc64 = cu_seqlens.to(torch.int64), cu_cmp.to(torch.int64)
+    rows = torch.arange(T // stride, device=cu_seqlens.device)
+    seq = torch.searchsorted(cc64[1:], rows, right=True).clamp_max(cu_cmp.numel() - 2)
+    valid = rows < cc64[-1]
+    first = cu64[seq] + (rows - cc64[seq]) * stride
+    return cu_cmp, torch.where(valid, first, torch.zeros_like(first)), valid

@@ -48,4 +48,4 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     """
     T = q.shape[0]
     lo, hi, qlo, qhi = compressed_ranges(cu_seqlens, cu_cmp, T, k_cmp.shape[0], block, stride)
-    return range_attention(q, k_cmp, v_cmp, lo, hi, qlo, qhi, scale)
+    return range_attention(q, k_cmp, v_cmp, lo, hi, qlo, qhi, scale, "cmp")

@@ -81,6 +81,7 @@ def select_blocks_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    GP: tl.constexpr, STACK: tl.constexpr,
 ):
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     i_s = tl.load(tile_seq + i_p)
@@ -98,6 +99,19 @@ def select_blocks_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     o_nb = tl.arange(0, NB)
+    if STACK:
+        # the G heads stacked along M (rows t*GP + g, GP = G padded to a power of two): one
+        # [BT*GP, BD] query tile and its lse, loaded once for every chunk
+        o_r = tl.arange(0, BT * GP)
+        o_rt = t0 + o_r // GP
+        m_r = (o_rt < eos) & (o_r % GP < G)
+        o_rhq = i_h * G + o_r % GP
+        b_qs = tl.load(q + (o_rt * HQ + o_rhq)[:, None] * D + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.)
+        b_lses = tl.load(lse + o_rt * HQ + o_rhq, mask=m_r, other=0.) * _LOG2E  # [BT*GP]
+        # rows of padding heads or past the sequence: +inf lse makes their p exactly 0
+        b_lses = tl.where(m_r, b_lses, float("inf"))
+        t_rrel = (o_rt - bos).to(tl.int32)
+        n_vis_r = tl.where(m_r & (t_rrel >= BLOCK - 1), (t_rrel - BLOCK + 1) // STRIDE + 1, 0)  # [BT*GP]
 
     b_top = tl.full([BT, NB], -1, dtype=tl.int64)  # running top-NB keys, descending
     b_carry = tl.zeros([BT], dtype=tl.float32)  # spill of the previous chunk into this chunk's first block
@@ -106,15 +120,20 @@ def select_blocks_kernel(
         m_c = o_c < n_vis_max
         p_k = k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :]
         b_k = tl.load(p_k, mask=m_c[:, None] & m_d[None, :], other=0.)  # [BC, BD]
-        m_vis = o_c[None, :] < n_vis[:, None]  # [BT, BC]
-        b_p = tl.zeros([BT, BC], dtype=tl.float32)
-        for i_g in range(G):
-            o_hq = i_h * G + i_g
-            b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :],
-                          mask=m_t[:, None] & m_d[None, :], other=0.)  # [BT, BD]
-            b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E  # [BT]
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
-            b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
+        if STACK:
+            b_s = tl.dot(b_qs, tl.trans(b_k)) * scale2  # [BT*GP, BC]
+            b_ps = tl.where(o_c[None, :] < n_vis_r[:, None], tl.exp2(b_s - b_lses[:, None]), 0.)
+            b_p = tl.sum(tl.reshape(b_ps, [BT, GP, BC]), 1)  # [BT, BC]
+        else:
+            m_vis = o_c[None, :] < n_vis[:, None]  # [BT, BC]
+            b_p = tl.zeros([BT, BC], dtype=tl.float32)
+            for i_g in range(G):
+                o_hq = i_h * G + i_g
+                b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :],
+                              mask=m_t[:, None] & m_d[None, :], other=0.)  # [BT, BD]
+                b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E  # [BT]
+                b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
+                b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
         o_j = j0 + o_nb  # [NB] blocks of the chunk
         b_w = _overlap(o_c, o_j, BLOCK, STRIDE, SLC)  # [BC, NB]
         b_sc = tl.dot(b_p, b_w, input_precision="ieee")  # [BT, NB]
@@ -182,13 +201,28 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     q, k_cmp, lse = q.detach().contiguous(), k_cmp.detach().contiguous(), lse.detach().float().contiguous()
     NB = max(16, triton.next_power_of_2(topk))
     BC = NB * slc_block // stride
-    BT = 64 if q.device.type == "cuda" else 32
+    G = HQ // HK
+    GP = triton.next_power_of_2(G)
+    cfg = _launch(q.device, G)
+    cfg.update(LAUNCH_OVERRIDE)
+    BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = tile_table(cu_seqlens, T, BT)
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
-    opts = dict(num_warps=4, num_stages=2) if q.device.type == "cuda" else {}
     select_blocks_kernel[(seq.numel(), HK)](
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
-        HQ=HQ, HK=HK, G=HQ // HK, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
-        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, **opts)
+        HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
+        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, **opts)
     return out
+
+
+# Launch settings ({"BT", "stack", "opts"}) that replace _launch's; tests and
+# scripts/tune_nsa.py set them.
+LAUNCH_OVERRIDE: dict = {}
+
+
+def _launch(device, G: int) -> dict:
+    """Tokens per program, whether the G heads are stacked into one matmul, launch options."""
+    if device.type != "cuda":
+        return dict(BT=32, stack=False, opts={})
+    return dict(BT=64, stack=False, opts=dict(num_warps=4, num_stages=2))

@@ -8,9 +8,14 @@ rows ``[lo[t], hi[t])`` of ``k, v [Tk, HK, D]``. Two NSA branches are exactly th
   compressed rows, see :mod:`flash_msa.compression.compressed_attention`).
 
 The backward also needs, for every key row s, the contiguous range ``[qlo[s], qhi[s])`` of
-queries that may see it; the kernels still test ``lo[t] <= s < hi[t]`` element by element,
-so the ranges only bound the loops. Ranges are int32 arrays computed on the device from
-``cu_seqlens`` (no host sync), so tiles may straddle sequences freely.
+queries that see it; it must be exact (query t sees row s iff ``qlo[s] <= t < qhi[s]``).
+Ranges are int32 arrays computed on the device from ``cu_seqlens`` (no host sync), so tiles
+may straddle sequences freely.
+
+Every loop runs in three parts: masked tiles at the two edges, and between them the tiles
+that every row of the program sees in full, which skip the range test and the load masks
+(:func:`_split_range`). Compressed attention is almost all interior: a tile of 32 queries
+sees the same compressed rows but the last one or two.
 
 GQA packing: a program's M dimension is ``BM`` consecutive (token, head-of-group) rows
 ``m = t*G + g`` of one KV head, so K/V tiles are loaded once for the whole group and any
@@ -39,6 +44,44 @@ _BIG = tl.constexpr(1 << 30)
 
 
 @triton.jit
+def _split_range(start, end, in_lo, in_hi, B: tl.constexpr):
+    # Splits the loop [start, end) (steps of B from start) into masked [start, a), unmasked
+    # [a, b) and masked [b, end): [a, b) is the largest run of whole steps inside the
+    # interior [in_lo, in_hi), where every (row, column) pair of the tile is visible.
+    a = start + tl.cdiv(tl.maximum(in_lo - start, 0), B) * B
+    b = a + tl.maximum(in_hi - a, 0) // B * B
+    a = tl.where(in_lo < in_hi, a, start)
+    b = tl.where(in_lo < in_hi, b, start)
+    return a, b
+
+
+@triton.jit
+def _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
+              HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+    o_n = n0 + tl.arange(0, BN)
+    o_d = tl.arange(0, BD)
+    o_kv = (o_n.to(tl.int64) * HK + i_h)[:, None] * D + o_d[None, :]
+    if MASK:
+        m_kv = (o_n < n_end)[:, None] & (o_d < D)[None, :]
+        b_k = tl.load(k + o_kv, mask=m_kv, other=0.)  # [BN, BD]
+        b_v = tl.load(v + o_kv, mask=m_kv, other=0.)  # [BN, BD]
+    else:
+        b_k = tl.load(k + o_kv, mask=(o_d < D)[None, :], other=0.)
+        b_v = tl.load(v + o_kv, mask=(o_d < D)[None, :], other=0.)
+    b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
+    if MASK:
+        m_s = (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
+        b_s = tl.where(m_s, b_s, float("-inf"))
+    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+    b_ms = tl.where(b_mn == float("-inf"), 0., b_mn)  # rows with nothing visible yet
+    b_p = tl.exp2(b_s - b_ms[:, None])
+    b_a = tl.exp2(b_m - b_ms)
+    b_l = b_l * b_a + tl.sum(b_p, 1)
+    b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    return b_mn, b_l, b_acc
+
+
+@triton.jit
 def range_attn_fwd_kernel(
     q, k, v, o, lse, lo, hi, scale2, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -58,26 +101,18 @@ def range_attn_fwd_kernel(
     m_nonempty = m_m & (b_lo < b_hi)
     n_start = tl.min(tl.where(m_nonempty, b_lo, _BIG), 0)
     n_end = tl.max(tl.where(m_nonempty, b_hi, 0), 0)
+    # key columns every row of the tile sees (an empty row makes it empty)
+    a, b = _split_range(n_start, n_end, tl.max(tl.where(m_m, b_lo, 0), 0), tl.min(tl.where(m_m, b_hi, _BIG), 0), BN)
 
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
-    for n0 in range(n_start, n_end, BN):
-        o_n = n0 + tl.arange(0, BN)
-        m_n = o_n < n_end
-        o_kv = (o_n.to(tl.int64) * HK + i_h)[:, None] * D + o_d[None, :]
-        b_k = tl.load(k + o_kv, mask=m_n[:, None] & m_d[None, :], other=0.)  # [BN, BD]
-        b_v = tl.load(v + o_kv, mask=m_n[:, None] & m_d[None, :], other=0.)  # [BN, BD]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
-        m_s = (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        b_mn = tl.maximum(b_m, tl.max(b_s, 1))
-        b_ms = tl.where(b_mn == float("-inf"), 0., b_mn)  # rows with nothing visible yet
-        b_p = tl.exp2(b_s - b_ms[:, None])
-        b_a = tl.exp2(b_m - b_ms)
-        b_l = b_l * b_a + tl.sum(b_p, 1)
-        b_acc = b_acc * b_a[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-        b_m = b_mn
+    for n0 in range(n_start, a, BN):
+        b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
+    for n0 in range(a, b, BN):
+        b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, False)
+    for n0 in range(b, n_end, BN):
+        b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
     m_any = b_l > 0
     b_o = b_acc / tl.where(m_any, b_l, 1.)[:, None]
     b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.))) * _LN2, float("-inf"))
@@ -100,6 +135,29 @@ def range_attn_bwd_preprocess_kernel(o, do, dlse, delta, N, D: tl.constexpr, BD:
 
 
 @triton.jit
+def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
+             HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+    o_n = n0 + tl.arange(0, BN)
+    o_d = tl.arange(0, BD)
+    o_kv = (o_n.to(tl.int64) * HK + i_h)[:, None] * D + o_d[None, :]
+    if MASK:
+        m_kv = (o_n < n_end)[:, None] & (o_d < D)[None, :]
+        b_k = tl.load(k + o_kv, mask=m_kv, other=0.)  # [BN, BD]
+        b_v = tl.load(v + o_kv, mask=m_kv, other=0.)  # [BN, BD]
+    else:
+        b_k = tl.load(k + o_kv, mask=(o_d < D)[None, :], other=0.)
+        b_v = tl.load(v + o_kv, mask=(o_d < D)[None, :], other=0.)
+    b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
+    b_p = tl.exp2(b_s - b_lse[:, None])
+    if MASK:
+        m_s = (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
+        b_p = tl.where(m_s, b_p, 0.)
+    b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k)
+
+
+@triton.jit
 def range_attn_bwd_dq_kernel(
     q, k, v, do, lse, delta, dq, lo, hi, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -117,27 +175,57 @@ def range_attn_bwd_dq_kernel(
     b_q = tl.load(q + o_qd, mask=m_qd, other=0.)  # [BM, BD]
     b_do = tl.load(do + o_qd, mask=m_qd, other=0.)  # [BM, BD]
     b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_m, other=0.) * _LOG2E  # [BM]
+    # rows with nothing visible (lse = -inf) contribute nothing; keep their exp2 finite
+    b_lse = tl.where(b_lse == float("-inf"), 0., b_lse)
     b_delta = tl.load(delta + o_t * HQ + o_hq, mask=m_m, other=0.)  # [BM]
     b_lo = tl.load(lo + o_t, mask=m_m, other=0)
     b_hi = tl.load(hi + o_t, mask=m_m, other=0)
     m_nonempty = m_m & (b_lo < b_hi)
     n_start = tl.min(tl.where(m_nonempty, b_lo, _BIG), 0)
     n_end = tl.max(tl.where(m_nonempty, b_hi, 0), 0)
+    a, b = _split_range(n_start, n_end, tl.max(tl.where(m_m, b_lo, 0), 0), tl.min(tl.where(m_m, b_hi, _BIG), 0), BN)
 
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
-    for n0 in range(n_start, n_end, BN):
-        o_n = n0 + tl.arange(0, BN)
-        m_n = o_n < n_end
-        o_kv = (o_n.to(tl.int64) * HK + i_h)[:, None] * D + o_d[None, :]
-        b_k = tl.load(k + o_kv, mask=m_n[:, None] & m_d[None, :], other=0.)  # [BN, BD]
-        b_v = tl.load(v + o_kv, mask=m_n[:, None] & m_d[None, :], other=0.)  # [BN, BD]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
-        m_s = (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
-        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
-        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+    for n0 in range(n_start, a, BN):
+        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
+    for n0 in range(a, b, BN):
+        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, False)
+    for n0 in range(b, n_end, BN):
+        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
     tl.store(dq + o_qd, (b_dq * scale).to(dq.dtype.element_ty), mask=m_qd)
+
+
+@triton.jit
+def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
+               HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+               MASK: tl.constexpr):
+    o_m = m0 + tl.arange(0, BM)
+    o_t = (o_m // G).to(tl.int64)
+    o_hq = i_h * G + o_m % G
+    o_d = tl.arange(0, BD)
+    o_qd = (o_t * HQ + o_hq)[:, None] * D + o_d[None, :]
+    if MASK:
+        m_m = o_m < r_end
+    else:
+        m_m = o_m >= 0  # every row of an interior tile is a real, visible row
+    m_qd = m_m[:, None] & (o_d < D)[None, :]
+    b_q = tl.load(q + o_qd, mask=m_qd, other=0.)  # [BM, BD]
+    b_do = tl.load(do + o_qd, mask=m_qd, other=0.)  # [BM, BD]
+    b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_m, other=0.) * _LOG2E
+    b_delta = tl.load(delta + o_t * HQ + o_hq, mask=m_m, other=0.)
+    b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
+    if MASK:
+        b_lo = tl.load(lo + o_t, mask=m_m, other=0)
+        b_hi = tl.load(hi + o_t, mask=m_m, other=0)
+        m_s = m_m[:, None] & (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])  # [BM, BN]
+        b_p = tl.where(m_s, tl.exp2(b_s - tl.where(m_m, b_lse, 0.)[:, None]), 0.)
+    else:
+        b_p = tl.exp2(b_s - b_lse[:, None])
+    b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+    b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
+    return b_dk, b_dv
 
 
 @triton.jit
@@ -162,53 +250,58 @@ def range_attn_bwd_dkdv_kernel(
     t_end = tl.max(tl.where(m_nonempty, b_qhi, 0), 0)
     r_start = tl.where(t_start < t_end, t_start * G, 0)
     r_end = t_end * G
+    # query rows that see every key row of the tile (qlo/qhi are exact ranges; an empty key row
+    # or a tile past Tk makes it empty)
+    t_in_lo = tl.max(tl.where(m_n, b_qlo, _BIG), 0)
+    t_in_hi = tl.min(tl.where(m_n, b_qhi, 0), 0)
+    m_in = t_in_lo < t_in_hi
+    a, b = _split_range(r_start, r_end, tl.where(m_in, t_in_lo, 0) * G, tl.where(m_in, t_in_hi, 0) * G, BM)
 
     b_dk = tl.zeros([BN, BD], dtype=tl.float32)
     b_dv = tl.zeros([BN, BD], dtype=tl.float32)
-    for m0 in range(r_start, r_end, BM):
-        o_m = m0 + tl.arange(0, BM)
-        m_m = o_m < r_end
-        o_t = (o_m // G).to(tl.int64)
-        o_hq = i_h * G + o_m % G
-        o_qd = (o_t * HQ + o_hq)[:, None] * D + o_d[None, :]
-        m_qd = m_m[:, None] & m_d[None, :]
-        b_q = tl.load(q + o_qd, mask=m_qd, other=0.)  # [BM, BD]
-        b_do = tl.load(do + o_qd, mask=m_qd, other=0.)  # [BM, BD]
-        b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_m, other=0.) * _LOG2E
-        b_delta = tl.load(delta + o_t * HQ + o_hq, mask=m_m, other=0.)
-        b_lo = tl.load(lo + o_t, mask=m_m, other=0)
-        b_hi = tl.load(hi + o_t, mask=m_m, other=0)
-        m_s = m_m[:, None] & (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])  # [BM, BN]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
-        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
-        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
-        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
+    for m0 in range(r_start, a, BM):
+        b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
+                                HQ, G, D, BD, BM, True)
+    for m0 in range(a, b, BM):
+        b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
+                                HQ, G, D, BD, BM, False)
+    for m0 in range(b, r_end, BM):
+        b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
+                                HQ, G, D, BD, BM, True)
     tl.store(dk + o_kv, (b_dk * scale).to(dk.dtype.element_ty), mask=m_kv)
     tl.store(dv + o_kv, b_dv.to(dv.dtype.element_ty), mask=m_kv)
 
 
-def _tiles(D: int, device) -> dict:
-    """Tile sizes and launch options: H200-tuned on CUDA, large tiles for the CPU interpreter."""
+# Launch tiles per kernel: {"fwd" | "dq" | "dkdv": (BM, BN, launch options)}. Entries here
+# replace the defaults of _tiles; tests use them to force small tiles and scripts/tune_nsa.py
+# to time candidates.
+TILE_OVERRIDE: dict = {}
+
+
+def _tiles(D: int, device, kind: str) -> dict:
+    """Tile sizes and launch options for ``kind`` ("cmp" or "window"): H200-tuned on CUDA, large
+    tiles for the CPU interpreter."""
     BD = max(16, triton.next_power_of_2(D))
     if device.type != "cuda":
-        return dict(BD=BD, fwd=(64, 64, {}), dq=(64, 64, {}), dkdv=(64, 64, {}))
-    if BD <= 64:
-        return dict(BD=BD, fwd=(128, 64, dict(num_warps=4, num_stages=3)), dq=(128, 64, dict(num_warps=8, num_stages=2)),
-                    dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
-    return dict(BD=BD, fwd=(128, 64, dict(num_warps=8, num_stages=2)), dq=(64, 64, dict(num_warps=4, num_stages=2)),
-                dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
+        cfg = dict(fwd=(64, 64, {}), dq=(64, 64, {}), dkdv=(64, 64, {}))
+    elif BD <= 64:
+        cfg = dict(fwd=(128, 64, dict(num_warps=4, num_stages=3)), dq=(128, 64, dict(num_warps=8, num_stages=2)),
+                   dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
+    else:
+        cfg = dict(fwd=(128, 64, dict(num_warps=8, num_stages=2)), dq=(64, 64, dict(num_warps=4, num_stages=2)),
+                   dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
+    cfg.update(TILE_OVERRIDE)
+    return dict(BD=BD, **cfg)
 
 
-def range_attention_fwd(q, k, v, lo, hi, scale: float):
+def range_attention_fwd(q, k, v, lo, hi, scale: float, kind: str = "window"):
     """q [T, HQ, D], k/v [Tk, HK, D], lo/hi int32 [T] -> (o [T, HQ, D], lse fp32 [T, HQ], natural log)."""
     T, HQ, D = q.shape
     Tk, HK = k.shape[:2]
     G = HQ // HK
     o = torch.empty_like(q)
     lse = torch.empty(T, HQ, dtype=torch.float32, device=q.device)
-    cfg = _tiles(D, q.device)
+    cfg = _tiles(D, q.device, kind)
     BM, BN, opts = cfg["fwd"]
     grid = (triton.cdiv(T * G, BM), HK)
     range_attn_fwd_kernel[grid](q, k, v, o, lse, lo, hi, scale * LOG2E, T, Tk,
@@ -216,12 +309,12 @@ def range_attention_fwd(q, k, v, lo, hi, scale: float):
     return o, lse
 
 
-def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: float):
+def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: float, kind: str = "window"):
     """Gradients (dq, dk, dv) of range attention; dlse (or None) is the gradient of lse."""
     T, HQ, D = q.shape
     Tk, HK = k.shape[:2]
     G = HQ // HK
-    cfg = _tiles(D, q.device)
+    cfg = _tiles(D, q.device, kind)
     BD = cfg["BD"]
     delta = torch.empty(T, HQ, dtype=torch.float32, device=q.device)
     if dlse is None:
@@ -247,34 +340,35 @@ def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: floa
 class RangeAttentionFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, lo, hi, qlo, qhi, scale):
+    def forward(ctx, q, k, v, lo, hi, qlo, qhi, scale, kind):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = range_attention_fwd(q, k, v, lo, hi, scale)
+        o, lse = range_attention_fwd(q, k, v, lo, hi, scale, kind)
         ctx.save_for_backward(q, k, v, o, lse, lo, hi, qlo, qhi)
-        ctx.scale = scale
+        ctx.scale, ctx.kind = scale, kind
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, lo, hi, qlo, qhi = ctx.saved_tensors
-        dq, dk, dv = range_attention_bwd(q, k, v, o, lse, do.contiguous(), dlse, lo, hi, qlo, qhi, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = range_attention_bwd(q, k, v, o, lse, do.contiguous(), dlse, lo, hi, qlo, qhi, ctx.scale, ctx.kind)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def range_attention(q, k, v, lo, hi, qlo, qhi, scale: float):
+def range_attention(q, k, v, lo, hi, qlo, qhi, scale: float, kind: str = "window"):
     """Attention of query t over key rows [lo[t], hi[t]); see the module docstring.
 
     Args:
         q: [T, HQ, D]; k, v: [Tk, HK, D] with HQ a multiple of HK.
         lo, hi: int32 [T], the key range of each query token (empty when lo >= hi).
-        qlo, qhi: int32 [Tk], a range of query tokens covering every query that sees key row s.
+        qlo, qhi: int32 [Tk], the exact range of query tokens that see key row s.
         scale: softmax scale.
+        kind: "window" (short ranges) or "cmp" (long ranges): picks the tuned tiles.
 
     Returns:
         (o [T, HQ, D] in q's dtype, 0 where the range is empty; lse fp32 [T, HQ], -inf there).
         Differentiable in q, k, v (and through lse).
     """
-    return RangeAttentionFunction.apply(q, k, v, lo, hi, qlo, qhi, scale)
+    return RangeAttentionFunction.apply(q, k, v, lo, hi, qlo, qhi, scale, kind)
 
 
 def window_ranges(cu_seqlens: torch.Tensor, T: int, window: int):
@@ -300,5 +394,5 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         o: [T, HQ, D] in q's dtype. Differentiable in q, k, v (deterministic backward).
     """
     lo, hi, qlo, qhi = window_ranges(cu_seqlens, q.shape[0], window)
-    o, _ = range_attention(q, k, v, lo, hi, qlo, qhi, scale)
+    o, _ = range_attention(q, k, v, lo, hi, qlo, qhi, scale, "window")
     return o

@@ -68,3 +68,16 @@ def test_compressed_attention_backward_is_deterministic(device):
     g2 = _check(SEQS["varlen"], 10, 2, 16, device)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """16x16 tiles, so short inputs run all three loop parts (masked edges, unmasked interior)."""
+    from flash_msa.window import window as w
+    monkeypatch.setattr(w, "TILE_OVERRIDE", dict(fwd=(16, 16, {}), dq=(16, 16, {}), dkdv=(16, 16, {})))
+
+
+@pytest.mark.parametrize("group", ["G1", "G5"])
+def test_compressed_attention_interior_tiles(group, device, small_tiles):
+    HQ, HK = GROUPS[group]
+    _check([0, 20, 300, 420], HQ, HK, 16, device)

@@ -92,3 +92,13 @@ def test_tile_table_never_crosses_sequences(device):
             assert start[t] == cu[s] and end[t] == cu[s + 1]
             covered[t:e] += 1
     assert (covered == 1).all()
+
+
+@pytest.mark.parametrize("group", ["G1", "G3", "G5", "G16"])
+def test_select_blocks_stacked_heads(group, device, monkeypatch):
+    """The variant that stacks the group's heads (padded to a power of two) into one matmul."""
+    from flash_msa.compression import topk
+    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, stack=True))
+    HQ, HK = GROUPS[group]
+    # long enough that most tokens choose 1 of their 4 blocks among up to 12 candidates
+    _check([0, 5, 300, 420], HQ, HK, 16, 4, 32, device)

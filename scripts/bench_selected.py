@@ -1,6 +1,7 @@
 """Selected-attention benchmark on one GPU: fmsa (KV-block-centric) vs nsa (query-centric).
 
-For every shape it first checks correctness, then times:
+For every shape it first checks correctness, then times (at G >= 16 also fla-core's
+parallel_nsa selected attention, when importable, as an outside reference point):
   * at --check-T (default 8K) each kernel against the chunked fp32 reference (o, dq, dk, dv);
   * at every benchmarked shape, fmsa against nsa (o, dq, dk, dv), before timing them.
 Timing: triton.testing.do_bench, median, forward and forward + backward.
@@ -25,6 +26,7 @@ from flash_msa.selection.naive import selected_attention_chunked
 from flash_msa.utils.varlen import default_cu_seqlens
 
 IMPL_NAMES = ("fmsa", "nsa")
+FLA = None  # fla-core selected attention, set in main
 
 
 def make_indices(T: int, HK: int, S: int, bs: int, device, gen) -> torch.Tensor:
@@ -64,9 +66,28 @@ def rel_rms(x, ref):
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
+def fla_selected():
+    """fla-core's parallel_nsa selected attention (the query-centric NSA kernel of
+    flash-linear-attention, G a power of two >= 16) as an outside reference point, or None."""
+    try:
+        from fla.ops.nsa.parallel import ParallelNSAFunction
+    except Exception as e:  # not installed, or not importable on this Triton
+        print(f"fla-core unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
+
+    def fla(q, k, v, bi, bs, cu, scale):
+        # [B, T, H, S] indices, -1 entries skipped by fla; block_counts = S for every query
+        return ParallelNSAFunction.apply(q, k, v, bi, bi.shape[-1], bs, scale, None)
+    return fla
+
+
+def impl_fn(name):
+    return FLA if name == "fla" else IMPLS[name]
+
+
 def run_impl(name, q, k, v, bi, bs, cu, do, backward=True):
     q.grad = k.grad = v.grad = None
-    o = IMPLS[name](q, k, v, bi, bs, cu, q.shape[-1] ** -0.5)
+    o = impl_fn(name)(q, k, v, bi, bs, cu, q.shape[-1] ** -0.5)
     if not backward:
         return (o,)
     o.backward(do)
@@ -127,20 +148,33 @@ def bench_shape(T, G, D, S, bs, device, warmup, rep, skip_bwd_over):
             for n in IMPL_NAMES}
     row["fmsa_vs_nsa"] = {n: rel_rms(a, b) for n, a, b in zip(("o", "dq", "dk", "dv"), outs["fmsa"], outs["nsa"])}
     row["check_ok"] = all(e <= 2e-2 for e in row["fmsa_vs_nsa"].values())
+    names = list(IMPL_NAMES)
+    if FLA is not None and G >= 16 and G & (G - 1) == 0:
+        try:
+            fla_outs = [x.detach().clone() for x in run_impl("fla", q, k, v, bi, bs, cu, do, backward=with_bwd)]
+            row["fla_vs_fmsa"] = {n: rel_rms(a, b) for n, a, b in zip(("o", "dq", "dk", "dv"), fla_outs, outs["fmsa"])}
+            if all(e <= 2e-2 for e in row["fla_vs_fmsa"].values()):
+                names.append("fla")
+            else:
+                print(f"T={T} G={G}: fla disagrees with fmsa, not timed: {row['fla_vs_fmsa']}", flush=True)
+            del fla_outs
+        except Exception as e:  # an outside kernel's failure is reported, not fatal
+            row["fla_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"T={T} G={G}: fla failed: {row['fla_error']}", flush=True)
     del outs
     if not row["check_ok"]:  # no timing for a shape whose results disagree
         return row
     o_bytes = q.numel() * q.element_size()
     kv_bytes = k.numel() * k.element_size()
-    for name in IMPL_NAMES:
-        fwd = lambda: IMPLS[name](q, k, v, bi, bs, cu, D ** -0.5)
+    for name in names:
+        fwd = lambda: impl_fn(name)(q, k, v, bi, bs, cu, D ** -0.5)
         with torch.no_grad():
             row[f"{name}_fwd_ms"] = triton.testing.do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
             row[f"{name}_fwd_extra_mib"] = peak_extra(fwd, o_bytes)
         row[f"{name}_fwd_tflops"] = flops / row[f"{name}_fwd_ms"] / 1e9
         if with_bwd:
             def fb():
-                IMPLS[name](q, k, v, bi, bs, cu, D ** -0.5).backward(do)
+                impl_fn(name)(q, k, v, bi, bs, cu, D ** -0.5).backward(do)
             row[f"{name}_fwdbwd_ms"] = triton.testing.do_bench(
                 fb, warmup=warmup, rep=rep, grad_to_none=[q, k, v], return_mode="median")
             row[f"{name}_fwdbwd_tflops"] = 3.5 * flops / row[f"{name}_fwdbwd_ms"] / 1e9
@@ -236,6 +270,16 @@ def write_markdown(rows, path, header):
             f"| {fmt(r['fmsa_fwd_extra_mib'], '.0f')} / {fmt(r.get('fmsa_fwdbwd_extra_mib'), '.0f')} "
             f"| {fmt(r['nsa_fwd_extra_mib'], '.0f')} / {fmt(r.get('nsa_fwdbwd_extra_mib'), '.0f')} "
             f"| {r['auto']} | {'ok' if r['check_ok'] else 'FAIL'} |")
+    fla_rows = [r for r in rows if r.get("fla_fwd_ms") is not None]
+    if fla_rows:
+        lines += ["", "fla-core `parallel_nsa` selected attention (query-centric, G >= 16 only), same inputs, "
+                  "checked against fmsa before timing:", "",
+                  "| T | G | HQ/HK | fla fwd ms | fla f+b ms | fmsa fwd ms | fmsa f+b ms | nsa fwd ms | nsa f+b ms |",
+                  "|---" * 9 + "|"]
+        for r in fla_rows:
+            lines.append(f"| {r['T'] // 1024}K | {r['G']} | {r['HQ']}/{r['HK']} | {fmt(r['fla_fwd_ms'])} "
+                         f"| {fmt(r.get('fla_fwdbwd_ms'))} | {fmt(r['fmsa_fwd_ms'])} | {fmt(r.get('fmsa_fwdbwd_ms'))} "
+                         f"| {fmt(r['nsa_fwd_ms'])} | {fmt(r.get('nsa_fwdbwd_ms'))} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -288,6 +332,7 @@ def main():
     ap.add_argument("--skip-bwd-over", type=int, default=1 << 30, help="time only the forward above this T")
     ap.add_argument("--profile", default="", help="T,G: print a torch.profiler kernel table of fmsa and nsa fwd+bwd, then exit")
     ap.add_argument("--variants", default="", help="T,G: time fmsa launch-setting variants, then exit")
+    ap.add_argument("--no-fla", action="store_true", help="skip fla-core's parallel_nsa at G >= 16")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; stop starting new shapes after it")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -298,6 +343,8 @@ def main():
     Ts = [int(x) for x in args.Ts.split(",")]
     Gs = [int(x) for x in args.Gs.split(",")]
     D, S, bs = args.D, args.S, args.block_size
+    global FLA
+    FLA = fla_selected() if not args.no_fla else None
     dev = torch.cuda.get_device_name()
     print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     if args.profile:

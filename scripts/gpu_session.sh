@@ -2,7 +2,7 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tiny e2e nsa selected (default: all)
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune fla tiny e2e nsa selected
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -32,6 +32,13 @@ for stage in $stages; do
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed results)
       timeout 100 python3 scripts/bench_nsa.py --out "$OUT" --Ts 65536,262144 --models llama3_8b \
         --dense-from benchmarks/results/nsa_h200.json --budget-s 60 2>&1 | tail -20 | tee "$OUT/nsa.log" ;;
+    tune)   # launch-setting sweep of range attention (cmp, window) and top-n (benchmarks/results/tune_h200.md)
+      timeout 330 python3 scripts/tune_nsa.py --out "$OUT" --Ts 65536,262144 --models llama3_8b > "$OUT/tune.log" 2>&1
+      mkdir -p "$OUT/qwen"
+      timeout 90 python3 scripts/tune_nsa.py --out "$OUT/qwen" --Ts 65536 --models qwen3_14b --ops topk >> "$OUT/tune.log" 2>&1 ;;
+    fla)    # G=16 selected attention: fmsa, nsa and fla-core's parallel_nsa side by side
+      mkdir -p "$OUT/fla"
+      timeout 150 python3 scripts/bench_selected.py --out "$OUT/fla" --Ts 65536 --Gs 16 --check-T 4096 2>&1 | tail -20 | tee "$OUT/fla.log" ;;
     selected)
       timeout 150 python3 scripts/bench_selected.py --out "$OUT" --Ts 65536 --Gs 4,5 2>&1 | tail -20 | tee "$OUT/selected.log" ;;
   esac

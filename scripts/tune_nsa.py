@@ -1,0 +1,217 @@
+"""Launch-setting sweep of the NSA kernels other than selected attention, on one GPU.
+
+Times, side by side in one run, candidate tiles of
+  * range attention (kernels/flash_msa/window/window.py) as compressed attention ("cmp": the
+    packed compressed rows, long ranges) and as the sliding window ("window", w=512): the
+    forward, and the backward (delta + dq + dk/dv) with one kernel's tiles changed at a time;
+  * the fused top-n selection (kernels/flash_msa/compression/topk.py): tokens per program,
+    heads looped or stacked into one matmul, warps and stages.
+Every candidate is checked against the shipped settings first (outputs within 2e-2 relative
+RMS in bf16, top-n rows identical but for near-ties); the shipped settings are the first row
+of each group. Timing: triton.testing.do_bench, median.
+
+Usage (repo root, on the GPU machine):
+    PYTHONPATH=kernels:. python scripts/tune_nsa.py --out OUTDIR [--Ts 65536,262144]
+Writes OUTDIR/tune_h200.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+MODELS = {"llama3_8b": (32, 8, 128), "qwen3_14b": (40, 8, 128)}
+L, STRIDE, SLC, TOPK, WINDOW = 32, 16, 64, 16, 512
+DEVICE = "cuda"
+
+
+def cfg(bm, bn, w, s):
+    return (bm, bn, dict(num_warps=w, num_stages=s))
+
+
+RANGE_CANDIDATES = {
+    "fwd": [cfg(128, 64, 8, 2), cfg(128, 64, 8, 3), cfg(128, 64, 4, 3), cfg(128, 128, 8, 2), cfg(64, 64, 4, 3),
+            cfg(128, 32, 4, 3), cfg(64, 128, 4, 2)],
+    "dq": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 3), cfg(128, 64, 8, 2), cfg(128, 32, 8, 2), cfg(64, 32, 4, 3),
+           cfg(128, 64, 8, 3), cfg(128, 128, 8, 2)],
+    "dkdv": [cfg(64, 64, 4, 2), cfg(64, 128, 8, 2), cfg(32, 128, 4, 3), cfg(32, 128, 8, 2), cfg(64, 128, 8, 3),
+             cfg(128, 64, 8, 2), cfg(32, 64, 4, 3), cfg(64, 64, 8, 3)],
+}
+TOPK_CANDIDATES = [None,  # the shipped settings
+                   dict(BT=64, stack=False, opts=dict(num_warps=8, num_stages=2)),
+                   dict(BT=32, stack=False, opts=dict(num_warps=4, num_stages=2)),
+                   dict(BT=128, stack=False, opts=dict(num_warps=8, num_stages=2)),
+                   dict(BT=16, stack=True, opts=dict(num_warps=4, num_stages=2)),
+                   dict(BT=32, stack=True, opts=dict(num_warps=4, num_stages=2)),
+                   dict(BT=32, stack=True, opts=dict(num_warps=8, num_stages=2)),
+                   dict(BT=64, stack=True, opts=dict(num_warps=8, num_stages=2)),
+                   dict(BT=32, stack=True, opts=dict(num_warps=8, num_stages=3))]
+
+
+def rel_rms(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def rnd(gen, *shape):  # random bf16, never zero
+    x = torch.randn(*shape, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    return x.masked_fill_(x.abs() < 1e-3, 1e-3)
+
+
+def bench(fn, args):
+    return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+
+
+def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit):
+    from flash_msa.window import window as w
+    lo, hi, qlo, qhi = ranges
+    w.TILE_OVERRIDE = {}
+    o0, lse0 = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
+    ref = (o0, *w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind))
+    for kernel, cands in RANGE_CANDIDATES.items():
+        for cand in cands:
+            w.TILE_OVERRIDE = {kernel: cand}
+            name = f"BM={cand[0]} BN={cand[1]} warps={cand[2]['num_warps']} stages={cand[2]['num_stages']}"
+            try:
+                o, lse = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
+                if kernel == "fwd":
+                    err = rel_rms(o, ref[0])
+                    fn = lambda: w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
+                else:
+                    grads = w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind)
+                    err = max(rel_rms(g, r) for g, r in zip(grads, ref[1:]))
+                    fn = lambda: w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind)
+                ms = bench(fn, args) if err <= 2e-2 else None
+                emit(dict(op=f"{kind}_{kernel}", config=name, ms=ms, err=err))
+            except Exception as e:  # a candidate that does not compile (shared memory) is reported, not fatal
+                emit(dict(op=f"{kind}_{kernel}", config=name, ms=None, err=None, error=f"{type(e).__name__}: {str(e)[:160]}"))
+    w.TILE_OVERRIDE = {}
+
+
+def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
+    from flash_msa.compression import topk
+    topk.LAUNCH_OVERRIDE = {}
+    ref = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
+    for cand in TOPK_CANDIDATES:
+        topk.LAUNCH_OVERRIDE = dict(cand or {})
+        name = "shipped" if cand is None else (f"BT={cand['BT']} stack={int(cand['stack'])} "
+                                               f"warps={cand['opts']['num_warps']} stages={cand['opts']['num_stages']}")
+        try:
+            idx = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
+            same = (idx == ref).all(-1).float().mean().item()
+            fn = lambda: topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
+            # rows may differ only at near-ties (fp32 sums in another order): demand 99.9% identical
+            emit(dict(op="topk", config=name, ms=bench(fn, args) if same >= 0.999 else None, rows_identical=same))
+        except Exception as e:
+            emit(dict(op="topk", config=name, ms=None, error=f"{type(e).__name__}: {str(e)[:160]}"))
+    topk.LAUNCH_OVERRIDE = {}
+
+
+def profile_compress(k, wk, pos, proj, cu):
+    """Kernel table of one compress_kv forward + backward (phi with its MLP), to see where it goes."""
+    from torch.profiler import ProfilerActivity, profile
+    from flash_msa.compression.compress import compress_kv
+    leaves = [x.detach().requires_grad_() for x in (k, wk, pos, proj)]
+
+    def step():
+        out, _ = compress_kv(leaves[0], leaves[1], leaves[2], cu, L, STRIDE, proj=leaves[3])
+        out.backward(torch.ones_like(out))
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70), flush=True)
+
+
+def write_markdown(rows, path, header):
+    lines = [header, ""]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["T"], r["op"]), []).append(r)
+    lines += ["| model | T | op | shipped ms | best ms | best config | all (config: ms) |", "|---" * 7 + "|"]
+    for (model, T, op), rs in groups.items():
+        timed = [r for r in rs if r.get("ms") is not None]
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        allc = "; ".join(f"{r['config']}: {r['ms']:.2f}" if r.get("ms") is not None else f"{r['config']}: -" for r in rs)
+        lines.append(f"| {model} | {T // 1024}K | {op} | {rs[0]['ms'] if rs[0].get('ms') is None else format(rs[0]['ms'], '.2f')} "
+                     f"| {'-' if best is None else format(best['ms'], '.2f')} | {'-' if best is None else best['config']} | {allc} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--Ts", default="65536,262144")
+    ap.add_argument("--models", default="llama3_8b,qwen3_14b")
+    ap.add_argument("--ops", default="cmp,window,topk,compress")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--rep", type=int, default=50)
+    args = ap.parse_args()
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("tune_nsa.py needs a CUDA GPU")
+    from flash_msa.compression.compress import compress_kv
+    from flash_msa.compression.compressed_attention import compressed_attention, compressed_ranges
+    from flash_msa.window.window import window_ranges
+
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    rows, t0 = [], time.time()
+    ops = args.ops.split(",")
+    for model in args.models.split(","):
+        HQ, HK, D = MODELS[model]
+        for T in (int(x) for x in args.Ts.split(",")):
+            gen = torch.Generator(device=DEVICE).manual_seed(0)
+            q, k, v, do = rnd(gen, T, HQ, D), rnd(gen, T, HK, D), rnd(gen, T, HK, D), rnd(gen, T, HQ, D)
+            cu = torch.tensor([0, T], dtype=torch.int32, device=DEVICE)
+            scale = D ** -0.5
+            # compressed keys/values of phi at initialisation (block mean) plus a learned part
+            w_mean = (torch.eye(D, device=DEVICE) / L).repeat(L, 1).expand(HK, -1, -1)
+            wk = (w_mean + 0.02 / L * torch.randn(HK, L * D, D, device=DEVICE, generator=gen)).to(torch.bfloat16)
+            pos = 0.1 * rnd(gen, HK, L, D)
+            k_cmp, cu_cmp = compress_kv(k, wk, pos, cu, L, STRIDE)
+            v_cmp, _ = compress_kv(v, wk, pos, cu, L, STRIDE)
+
+            def emit(r):
+                r.update(model=model, T=T)
+                rows.append(r)
+                print(f"{model} T={T} {r['op']:<12} {r['config']:<36} "
+                      + (f"{r['ms']:8.2f} ms" if r.get("ms") is not None else "       -   ")
+                      + (f" err {r['err']:.1e}" if r.get("err") is not None else "")
+                      + (f" identical {r['rows_identical']:.4f}" if "rows_identical" in r else "")
+                      + (f" {r['error']}" if "error" in r else ""), flush=True)
+                with open(os.path.join(args.out, "tune_h200.json"), "w") as f:
+                    json.dump({"device": dev, "torch": torch.__version__, "triton": triton.__version__,
+                               "args": vars(args), "rows": rows}, f, indent=1)
+
+            if "cmp" in ops:
+                sweep_range("cmp", q, k_cmp, v_cmp, do,
+                            compressed_ranges(cu, cu_cmp, T, k_cmp.shape[0], L, STRIDE), scale, args, emit)
+            if "window" in ops:
+                sweep_range("window", q, k, v, do, window_ranges(cu, T, WINDOW), scale, args, emit)
+            if "compress" in ops:
+                profile_compress(k, wk, pos, 0.02 * rnd(gen, HK, D, D), cu)
+            if "topk" in ops:
+                _, lse = compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, L, STRIDE, scale)
+                sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit)
+            del q, k, v, do, k_cmp, v_cmp
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    header = (f"# NSA kernel launch sweep on {dev} (torch {torch.__version__}, Triton {triton.__version__})\n\n"
+              f"bf16, D=128, l={L}, d={STRIDE}, l'={SLC}, n={TOPK}, w={WINDOW}; one sequence of T tokens. Median ms of "
+              "triton.testing.do_bench. `*_fwd`: forward; `*_dq`, `*_dkdv`: the whole backward with that kernel's "
+              "tiles changed. The first config of each op is the one shipped when the sweep ran. "
+              "Command: `PYTHONPATH=kernels:. python3 scripts/tune_nsa.py --out $OUT`.")
+    write_markdown(rows, os.path.join(args.out, "tune_h200.md"), header)
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

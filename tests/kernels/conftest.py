@@ -6,14 +6,20 @@ import torch
 _empty, _empty_like = torch.empty, torch.empty_like
 
 
+def _poison(x):
+    # no_grad: callers (torch's own Python code on CUDA among them) may ask for requires_grad=True
+    if x.is_floating_point():
+        with torch.no_grad():
+            x.fill_(float("nan"))
+    return x
+
+
 def _nan_empty(*args, **kwargs):
-    x = _empty(*args, **kwargs)
-    return x.fill_(float("nan")) if x.is_floating_point() else x
+    return _poison(_empty(*args, **kwargs))
 
 
 def _nan_empty_like(*args, **kwargs):
-    x = _empty_like(*args, **kwargs)
-    return x.fill_(float("nan")) if x.is_floating_point() else x
+    return _poison(_empty_like(*args, **kwargs))
 
 
 @pytest.fixture(autouse=True)

@@ -287,8 +287,11 @@ def _tiles(D: int, device, kind: str) -> dict:
     elif BD <= 64:
         cfg = dict(fwd=(128, 64, dict(num_warps=4, num_stages=3)), dq=(128, 64, dict(num_warps=8, num_stages=2)),
                    dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
-    else:
-        cfg = dict(fwd=(128, 64, dict(num_warps=8, num_stages=2)), dq=(64, 64, dict(num_warps=4, num_stages=2)),
+    elif kind == "cmp":  # D=128, benchmarks/results/tune_h200.md (64K and 256K agree)
+        cfg = dict(fwd=(128, 64, dict(num_warps=8, num_stages=3)), dq=(64, 64, dict(num_warps=4, num_stages=2)),
+                   dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
+    else:  # the window, D=128, same sweep
+        cfg = dict(fwd=(128, 32, dict(num_warps=4, num_stages=3)), dq=(128, 64, dict(num_warps=8, num_stages=3)),
                    dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
     cfg.update(TILE_OVERRIDE)
     return dict(BD=BD, **cfg)

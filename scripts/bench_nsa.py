@@ -394,6 +394,10 @@ def main():
                     continue
                 row = {"model": m, "T": T}
                 RESULTS["rows"].append(row)
+                if not RESULTS["checks"][m].get("ok"):  # no speed without correctness
+                    row["error"] = "not timed: the correctness check failed"
+                    print(f"{m} T={T}: not timed, the correctness check failed", flush=True)
+                    continue
                 if args.dense_from:
                     prev = [r for r in json.load(open(args.dense_from))["rows"] if r["model"] == m and r["T"] == T]
                     for key, val in (prev[0].items() if prev else ()):

@@ -364,6 +364,9 @@ def main():
             if time.time() - t_start > args.time_budget:
                 print(f"time budget reached: skipping T={T} G={G}", flush=True)
                 continue
+            if not all(c["ok"] for c in checks[G].values()):  # no speed without correctness
+                print(f"T={T} G={G}: not timed, a kernel failed the reference check at G={G}", flush=True)
+                continue
             try:
                 r = bench_shape(T, G, D, S, bs, device, args.warmup, args.rep, args.skip_bwd_over)
             except torch.OutOfMemoryError:

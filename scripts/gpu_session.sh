@@ -18,7 +18,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for stage in $stages; do
   case $stage in
     tests)  # every kernel test on CUDA (bf16 against fp32 references)
-      timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
     tiny)   # the default recipe on the GPU with the Flash-MSA kernels
       timeout 90 python3 -m msa_train.cli recipe=tiny attention=fmsa train.output_dir="$OUT/tiny_fmsa" \
         train.save_hf=false train.progress=false 2>&1 | tail -15 | tee "$OUT/tiny_fmsa.log"
@@ -26,12 +26,13 @@ for stage in $stages; do
       cp "$OUT/tiny_fmsa/summary.json" "$OUT/tiny_fmsa_summary.json" 2>/dev/null
       rm -rf "$OUT/tiny_fmsa" ;;
     e2e)    # end-to-end tokens/s, Llama3-8B layer shapes (4 layers), full vs nsa vs fmsa
-      timeout 150 python3 -m msa_train.bench --recipe llama3_8b_64k --attention full,nsa,fmsa \
-        --seq-lens 32768,65536 --steps 4 --out "$OUT/e2e_llama3_8b_4layers_h200" \
+      timeout 560 python3 -m msa_train.bench --recipe llama3_8b_64k --attention full,nsa,fmsa \
+        --seq-lens "${E2E_LENS:-65536,131072}" --steps 4 --timeout 240 --out "$OUT/e2e_llama3_8b_4layers_h200" \
         -- model.hf_config.num_hidden_layers=4 2>&1 | tail -15 | tee "$OUT/e2e.log" ;;
-    nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed results)
-      timeout 100 python3 scripts/bench_nsa.py --out "$OUT" --Ts 65536,262144 --models llama3_8b \
-        --dense-from benchmarks/results/nsa_h200.json --budget-s 60 2>&1 | tail -20 | tee "$OUT/nsa.log" ;;
+    nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)
+      timeout 300 python3 scripts/bench_nsa.py --out "$OUT" --Ts 8192,32768,65536,131072,262144,524288 \
+        --models llama3_8b,qwen3_14b --qwen-Ts 65536,262144 \
+        --dense-from benchmarks/results/nsa_h200_sweep_linear_phi.json --budget-s 240 2>&1 | tail -30 | tee "$OUT/nsa.log" ;;
     tune)   # launch-setting sweep of range attention (cmp, window) and top-n (benchmarks/results/tune_h200.md)
       timeout 330 python3 scripts/tune_nsa.py --out "$OUT" --Ts 65536,262144 --models llama3_8b > "$OUT/tune.log" 2>&1
       mkdir -p "$OUT/qwen"
@@ -39,8 +40,11 @@ for stage in $stages; do
     fla)    # G=16 selected attention: fmsa, nsa and fla-core's parallel_nsa side by side
       mkdir -p "$OUT/fla"
       timeout 150 python3 scripts/bench_selected.py --out "$OUT/fla" --Ts 65536 --Gs 16 --check-T 4096 2>&1 | tail -20 | tee "$OUT/fla.log" ;;
-    selected)
-      timeout 150 python3 scripts/bench_selected.py --out "$OUT" --Ts 65536 --Gs 4,5 2>&1 | tail -20 | tee "$OUT/selected.log" ;;
+    selected)  # G=4, 5 (the targets) and 16 (with fla-core) at 64K; then fmsa vs nsa forward at 1M tokens, G=4
+      timeout 240 python3 scripts/bench_selected.py --out "$OUT" --Ts 65536 --Gs 4,5,16 --check-T 4096 2>&1 | tail -20 | tee "$OUT/selected.log"
+      mkdir -p "$OUT/sel1m"
+      timeout 120 python3 scripts/bench_selected.py --out "$OUT/sel1m" --Ts 1048576 --Gs 4 --check-T 2048 \
+        --skip-bwd-over 524288 --no-fla --warmup 2 --rep 10 2>&1 | tail -8 | tee -a "$OUT/selected.log" ;;
   esac
 done
 ls -la "$OUT"

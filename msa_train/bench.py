@@ -57,6 +57,10 @@ def write_outputs(result: Dict, stem: Path) -> None:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     atts, lens = result["attention"], result["seq_lens"]
     table = {(p["attention"], p["seq_len"]): p for p in result["points"]}
+    missing = {"tokens_per_s": None, "error": "not run"}
+    for a in atts:
+        for T in lens:
+            table.setdefault((a, T), missing)
     lines = [f"# End-to-end training throughput: recipe `{result['recipe']}` on {result['device']}", "",
              "tokens/s per device (mean after warmup); speedup = tokens/s / attention=full at the same length.", "",
              "| seq_len | " + " | ".join(f"{a} tok/s" for a in atts) + " | " +
@@ -115,6 +119,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     atts = args.attention.split(",")
     lens = [int(x) for x in args.seq_lens.split(",")]
     points = []
+    result = {"recipe": args.recipe, "device": device, "attention": atts, "seq_lens": lens, "steps": args.steps,
+              "warmup": args.warmup, "extra_overrides": extra, "points": points}
+    stem = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"e2e_{args.recipe}_{tag}"
     with tempfile.TemporaryDirectory() as tmp:
         for T in lens:
             for a in atts:
@@ -124,10 +131,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                 points.append(point)
                 print(f"{a:>5} T={T:>8}: " + (f"{point['tokens_per_s']:,.0f} tok/s" if point["tokens_per_s"]
                                               else f"failed ({point.get('error')})"), flush=True)
-    result = {"recipe": args.recipe, "device": device, "attention": atts, "seq_lens": lens, "steps": args.steps,
-              "warmup": args.warmup, "extra_overrides": extra, "points": points}
-    stem = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"e2e_{args.recipe}_{tag}"
-    write_outputs(result, stem)
+                write_outputs(result, stem)  # after every point, so a run stopped early keeps what it measured
     print(stem.with_suffix(".md").read_text())
     return result
 

@@ -15,3 +15,13 @@ def test_bench_report_tables_speedup_and_failures(tmp_path):
     md = (tmp_path / "e2e_tiny_cpu.md").read_text()
     assert "| 512 | 1,000 | 2,500 | 2.50x |" in md
     assert "| 1,024 | OOM | 2,000 | - |" in md
+
+
+def test_bench_report_of_a_partial_run(tmp_path):
+    """Written after every point: the points not yet run show as such."""
+    result = {"recipe": "tiny", "device": "cpu", "attention": ["full", "fmsa"], "seq_lens": [512, 1024],
+              "points": [{"attention": "full", "seq_len": 512, "tokens_per_s": 1000.0, "ok": True}]}
+    write_outputs(result, tmp_path / "e2e_tiny_cpu")
+    md = (tmp_path / "e2e_tiny_cpu.md").read_text()
+    assert "| 512 | 1,000 | not run | - |" in md
+    assert "| 1,024 | not run | not run | - |" in md

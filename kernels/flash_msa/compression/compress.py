@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flash_msa.utils.cache import per_batch
 from flash_msa.utils.varlen import compressed_rows
 
 
@@ -136,7 +137,7 @@ def compress_kv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, cu_seq
     if block % stride != 0:
         raise ValueError(f"block ({block}) must be a multiple of stride ({stride})")
     T = x.shape[0]
-    cu_cmp, tok, row_slot, valid = compression_slots(cu_seqlens, T, block, stride)
+    cu_cmp, tok, row_slot, valid = per_batch(compression_slots, cu_seqlens, T, block, stride)  # shared by the layers
     if valid.numel() == 0:
         extra = 0 if proj is None else proj.sum()
         out = x[:0] + 0 * (weight.sum() + pos.sum() + extra)  # [0, H, D], keeps every input in the graph

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from flash_msa.utils.cache import per_batch
 from flash_msa.window.window import range_attention
 
 
@@ -47,5 +48,5 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
          lse fp32 [T, HQ], -inf there). Differentiable in q, k_cmp, v_cmp (and through lse).
     """
     T = q.shape[0]
-    lo, hi, qlo, qhi = compressed_ranges(cu_seqlens, cu_cmp, T, k_cmp.shape[0], block, stride)
+    lo, hi, qlo, qhi = per_batch(compressed_ranges, cu_seqlens, cu_cmp, T, k_cmp.shape[0], block, stride)
     return range_attention(q, k_cmp, v_cmp, lo, hi, qlo, qhi, scale, "cmp")

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_msa.utils.cache import per_batch
+
 LOG2E = 1.4426950408889634
 # constants read inside kernels must be tl.constexpr globals
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -207,7 +209,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     cfg.update(LAUNCH_OVERRIDE)
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     BD = max(16, triton.next_power_of_2(D))
-    seq, t0 = tile_table(cu_seqlens, T, BT)
+    seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
     select_blocks_kernel[(seq.numel(), HK)](
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,

@@ -16,10 +16,11 @@ numbered consecutively over the packed stream. Their number is at most
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
+
+from flash_msa.utils.cache import per_batch
 
 
 @dataclass
@@ -90,24 +91,10 @@ def prepare_block_meta(cu_seqlens: torch.Tensor, T: int, block_size: int) -> Blo
         block_start=bstart.to(torch.int32), block_end=bend.to(torch.int32))
 
 
-_META_CACHE: list = []  # [(weakref to cu_seqlens, its _version, T, block_size, BlockMeta)], newest last
-_META_CACHE_SIZE = 4
-
-
 def get_block_meta(cu_seqlens: torch.Tensor, T: int, block_size: int) -> BlockMeta:
-    """:func:`prepare_block_meta`, computed once per ``cu_seqlens`` tensor and block size.
-
-    Every layer of a step gets the same ``cu_seqlens`` object, so all layers (forward and
-    backward) share one BlockMeta. A hit needs the very same tensor object, alive and not
-    modified in place since (its ``_version``), so a stale entry is never returned.
-    """
-    for ref, version, t, bs, meta in _META_CACHE:
-        if ref() is cu_seqlens and version == cu_seqlens._version and t == T and bs == block_size:
-            return meta
-    meta = prepare_block_meta(cu_seqlens, T, block_size)
-    _META_CACHE.append((weakref.ref(cu_seqlens), cu_seqlens._version, T, block_size, meta))
-    del _META_CACHE[:-_META_CACHE_SIZE]
-    return meta
+    """:func:`prepare_block_meta`, computed once per ``cu_seqlens`` tensor and block size
+    (:func:`flash_msa.utils.cache.per_batch`): all layers of a step share one BlockMeta."""
+    return per_batch(prepare_block_meta, cu_seqlens, T, block_size)
 
 
 def valid_entries(block_indices: torch.Tensor, meta: BlockMeta) -> torch.Tensor:

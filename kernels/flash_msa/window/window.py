@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_msa.utils.cache import per_batch
 from flash_msa.utils.varlen import token_seq_bounds
 
 LOG2E = 1.4426950408889634
@@ -396,6 +397,6 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Returns:
         o: [T, HQ, D] in q's dtype. Differentiable in q, k, v (deterministic backward).
     """
-    lo, hi, qlo, qhi = window_ranges(cu_seqlens, q.shape[0], window)
+    lo, hi, qlo, qhi = per_batch(window_ranges, cu_seqlens, q.shape[0], window)  # shared by the layers
     o, _ = range_attention(q, k, v, lo, hi, qlo, qhi, scale, "window")
     return o

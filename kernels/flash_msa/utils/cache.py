@@ -1,0 +1,32 @@
+"""Index metadata computed once per batch and shared by every layer.
+
+Each layer of a training step gets the same ``cu_seqlens`` tensor, so everything derived
+from it alone (sequence bounds, compressed rows, key ranges, tile tables) is the same in all
+layers, in the forward and in the recomputed forward of activation checkpointing.
+:func:`per_batch` computes such a function once and returns the cached value while its
+tensor arguments are the very same objects, alive and unmodified (their ``_version``), and
+its other arguments are equal; so a stale value is never returned.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+_CACHE: list = []  # [(fn, static args, weakrefs to the tensor args, their _versions, value)], newest last
+_CACHE_SIZE = 16
+
+
+def per_batch(fn: Callable[..., Any], *args) -> Any:
+    """``fn(*args)``, reused while the tensors among ``args`` are unchanged (see module docstring)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    statics = tuple(a for a in args if not isinstance(a, torch.Tensor))
+    for f, st, refs, versions, value in reversed(_CACHE):
+        if (f is fn and st == statics and len(refs) == len(tensors)
+                and all(r() is t and v == t._version for r, v, t in zip(refs, versions, tensors))):
+            return value
+    value = fn(*args)
+    _CACHE.append((fn, statics, [weakref.ref(t) for t in tensors], [t._version for t in tensors], value))
+    del _CACHE[:-_CACHE_SIZE]
+    return value

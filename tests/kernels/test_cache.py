@@ -1,0 +1,30 @@
+"""Per-batch index metadata: computed once per cu_seqlens tensor, never stale."""
+import torch
+
+from flash_msa.compression.compress import compress_kv
+from flash_msa.utils.cache import per_batch
+
+
+def test_per_batch_reuses_only_the_same_unmodified_tensor():
+    calls = []
+
+    def f(cu, n):
+        calls.append(n)
+        return cu * n
+
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    a = per_batch(f, cu, 2)
+    assert per_batch(f, cu, 2) is a and calls == [2]
+    assert torch.equal(per_batch(f, cu, 3), cu * 3) and calls == [2, 3]  # other static args
+    assert per_batch(f, cu.clone(), 2) is not a  # an equal but different tensor
+    cu[1] = 6  # modified in place: the cached value is stale
+    assert torch.equal(per_batch(f, cu, 2), torch.tensor([0, 12, 18], dtype=torch.int32))
+
+
+def test_layers_share_compression_metadata():
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    x = torch.randn(100, 2, 16)
+    w, pos = torch.randn(2, 32 * 16, 16), torch.randn(2, 32, 16)
+    _, cc1 = compress_kv(x, w, pos, cu, 32, 16)
+    _, cc2 = compress_kv(x, w, pos, cu, 32, 16)
+    assert cc1 is cc2  # so the compressed-attention ranges keyed on it are shared too

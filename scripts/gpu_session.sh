@@ -3,6 +3,7 @@
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
 #   bash scripts/gpu_session.sh [stages...]     stages: tests tune fla tiny e2e nsa selected
+# (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -26,7 +27,7 @@ for stage in $stages; do
       cp "$OUT/tiny_fmsa/summary.json" "$OUT/tiny_fmsa_summary.json" 2>/dev/null
       rm -rf "$OUT/tiny_fmsa" ;;
     e2e)    # end-to-end tokens/s, Llama3-8B layer shapes (4 layers), full vs nsa vs fmsa
-      timeout 560 python3 -m msa_train.bench --recipe llama3_8b_64k --attention full,nsa,fmsa \
+      timeout "${E2E_TIMEOUT:-560}" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "${E2E_ATTN:-full,nsa,fmsa}" \
         --seq-lens "${E2E_LENS:-65536,131072}" --steps 4 --timeout 240 --out "$OUT/e2e_llama3_8b_4layers_h200" \
         -- model.hf_config.num_hidden_layers=4 2>&1 | tail -15 | tee "$OUT/e2e.log" ;;
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)

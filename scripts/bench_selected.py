@@ -369,8 +369,8 @@ def main():
                 continue
             try:
                 r = bench_shape(T, G, D, S, bs, device, args.warmup, args.rep, args.skip_bwd_over)
-            except torch.OutOfMemoryError:
-                print(f"T={T} G={G}: out of memory, skipped", flush=True)
+            except torch.OutOfMemoryError as e:  # the message names the allocation that failed
+                print(f"T={T} G={G}: out of memory, skipped: {str(e)[:400]}", flush=True)
                 torch.cuda.empty_cache()
                 continue
             rows.append(r)

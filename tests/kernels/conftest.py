@@ -27,3 +27,11 @@ def _poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", _nan_empty)
     monkeypatch.setattr(torch, "empty_like", _nan_empty_like)
     yield
+
+
+@pytest.fixture
+def small_range_tiles(monkeypatch):
+    """16x16 range-attention tiles, so short inputs run all three loop parts (masked edges,
+    unmasked interior) of the window and compressed-attention kernels."""
+    from flash_msa.window import window
+    monkeypatch.setattr(window, "TILE_OVERRIDE", dict(fwd=(16, 16, {}), dq=(16, 16, {}), dkdv=(16, 16, {})))

@@ -57,18 +57,25 @@ def _split_range(start, end, in_lo, in_hi, B: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
-              HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+def _kv_tile(k, v, n0, n_end, i_h, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+             MASK: tl.constexpr):
+    # key rows [n0, n0 + BN) of KV head i_h; an interior tile (MASK false) lies inside [0, n_end)
     o_n = n0 + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     o_kv = (o_n.to(tl.int64) * HK + i_h)[:, None] * D + o_d[None, :]
     if MASK:
         m_kv = (o_n < n_end)[:, None] & (o_d < D)[None, :]
-        b_k = tl.load(k + o_kv, mask=m_kv, other=0.)  # [BN, BD]
-        b_v = tl.load(v + o_kv, mask=m_kv, other=0.)  # [BN, BD]
     else:
-        b_k = tl.load(k + o_kv, mask=(o_d < D)[None, :], other=0.)
-        b_v = tl.load(v + o_kv, mask=(o_d < D)[None, :], other=0.)
+        m_kv = (o_d < D)[None, :]
+    b_k = tl.load(k + o_kv, mask=m_kv, other=0.)  # [BN, BD]
+    b_v = tl.load(v + o_kv, mask=m_kv, other=0.)  # [BN, BD]
+    return o_n, b_k, b_v
+
+
+@triton.jit
+def _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
+              HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+    o_n, b_k, b_v = _kv_tile(k, v, n0, n_end, i_h, HK, D, BD, BN, MASK)  # [BN], [BN, BD] x2
     b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
     if MASK:
         m_s = (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
@@ -138,16 +145,7 @@ def range_attn_bwd_preprocess_kernel(o, do, dlse, delta, N, D: tl.constexpr, BD:
 @triton.jit
 def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
              HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
-    o_n = n0 + tl.arange(0, BN)
-    o_d = tl.arange(0, BD)
-    o_kv = (o_n.to(tl.int64) * HK + i_h)[:, None] * D + o_d[None, :]
-    if MASK:
-        m_kv = (o_n < n_end)[:, None] & (o_d < D)[None, :]
-        b_k = tl.load(k + o_kv, mask=m_kv, other=0.)  # [BN, BD]
-        b_v = tl.load(v + o_kv, mask=m_kv, other=0.)  # [BN, BD]
-    else:
-        b_k = tl.load(k + o_kv, mask=(o_d < D)[None, :], other=0.)
-        b_v = tl.load(v + o_kv, mask=(o_d < D)[None, :], other=0.)
+    o_n, b_k, b_v = _kv_tile(k, v, n0, n_end, i_h, HK, D, BD, BN, MASK)  # [BN], [BN, BD] x2
     b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
     b_p = tl.exp2(b_s - b_lse[:, None])
     if MASK:

@@ -70,14 +70,7 @@ def test_compressed_attention_backward_is_deterministic(device):
         assert torch.equal(a, b)
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """16x16 tiles, so short inputs run all three loop parts (masked edges, unmasked interior)."""
-    from flash_msa.window import window as w
-    monkeypatch.setattr(w, "TILE_OVERRIDE", dict(fwd=(16, 16, {}), dq=(16, 16, {}), dkdv=(16, 16, {})))
-
-
 @pytest.mark.parametrize("group", ["G1", "G5"])
-def test_compressed_attention_interior_tiles(group, device, small_tiles):
+def test_compressed_attention_interior_tiles(group, device, small_range_tiles):
     HQ, HK = GROUPS[group]
     _check([0, 20, 300, 420], HQ, HK, 16, device)

@@ -53,14 +53,7 @@ def test_window_backward_is_deterministic(device):
         assert torch.equal(a, b)
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """16x16 tiles, so short inputs run all three loop parts (masked edges, unmasked interior)."""
-    from flash_msa.window import window as w
-    monkeypatch.setattr(w, "TILE_OVERRIDE", dict(fwd=(16, 16, {}), dq=(16, 16, {}), dkdv=(16, 16, {})))
-
-
 @pytest.mark.parametrize("group", ["G1", "G5"])
-def test_window_interior_tiles(group, device, small_tiles):
+def test_window_interior_tiles(group, device, small_range_tiles):
     HQ, HK = GROUPS[group]
     _check([0, 7, 90, 160], HQ, HK, 16, 40, device)

@@ -28,3 +28,12 @@ def test_layers_share_compression_metadata():
     _, cc1 = compress_kv(x, w, pos, cu, 32, 16)
     _, cc2 = compress_kv(x, w, pos, cu, 32, 16)
     assert cc1 is cc2  # so the compressed-attention ranges keyed on it are shared too
+
+
+def test_inference_tensors_are_computed_not_cached():
+    with torch.inference_mode():
+        cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+        x = torch.randn(100, 2, 16)
+        w, pos = torch.randn(2, 32 * 16, 16), torch.randn(2, 32, 16)
+        out, cc = compress_kv(x, w, pos, cu, 32, 16)
+        assert out.shape == (100 // 16, 2, 16) and cc.tolist() == [0, 1, 3]

@@ -5,7 +5,12 @@ from it alone (sequence bounds, compressed rows, key ranges, tile tables) is the
 layers, in the forward and in the recomputed forward of activation checkpointing.
 :func:`per_batch` computes such a function once and returns the cached value while its
 tensor arguments are the very same objects, alive and unmodified (their ``_version``), and
-its other arguments are equal; so a stale value is never returned.
+its other arguments are equal. Like autograd's own checks on saved tensors, it sees the
+in-place writes that bump ``_version``; writes that bypass it (through ``.data``, a NumPy or
+DLPack view) are not seen, so index tensors must not be rewritten that way. Cached values are
+shared: callers treat them as read-only. Inference tensors (``torch.inference_mode``) carry no
+version counter, so with them nothing is cached. At most 16 values are kept (O(T) index
+tensors each), the oldest dropped first.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ _CACHE_SIZE = 16
 def per_batch(fn: Callable[..., Any], *args) -> Any:
     """``fn(*args)``, reused while the tensors among ``args`` are unchanged (see module docstring)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(t.is_inference() for t in tensors):  # no version counter to tell a stale value
+        return fn(*args)
     statics = tuple(a for a in args if not isinstance(a, torch.Tensor))
     for f, st, refs, versions, value in reversed(_CACHE):
         if (f is fn and st == statics and len(refs) == len(tensors)

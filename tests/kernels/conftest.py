@@ -7,7 +7,7 @@ _empty, _empty_like = torch.empty, torch.empty_like
 
 
 def _poison(x):
-    # no_grad: callers (torch's own Python code on CUDA among them) may ask for requires_grad=True
+    # no_grad: a caller may ask for requires_grad=True (seen on CUDA in the compressed-attention tests)
     if x.is_floating_point():
         with torch.no_grad():
             x.fill_(float("nan"))

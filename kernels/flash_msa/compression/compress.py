@@ -66,6 +66,13 @@ def _piece_index(row_slot: torch.Tensor, r: int) -> torch.Tensor:
     return (row_slot[:, None] + c) * r + c
 
 
+def _gather_chunks(x: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """[H, Ns, d*D]: the stride chunk of every slot. Unused slots (token T) read token T - 1
+    instead: no valid row uses their products, and no padded copy of x is made."""
+    T, H, D = x.shape
+    return x[tok.clamp_max(T - 1)].permute(2, 0, 1, 3).reshape(H, tok.shape[0], -1)
+
+
 class CompressFunction(torch.autograd.Function):
 
     @staticmethod
@@ -74,8 +81,7 @@ class CompressFunction(torch.autograd.Function):
         r = block // stride
         w = weight.to(x.dtype)
         Dout = w.shape[-1]
-        xp = torch.cat([x, x.new_zeros(1, H, D)])  # row T: the unused slots' chunks
-        chunks = xp[tok].permute(2, 0, 1, 3).reshape(H, -1, stride * D)  # [H, Ns, d*D]
+        chunks = _gather_chunks(x, tok)  # [H, Ns, d*D]
         y = torch.bmm(chunks, _stack_weight(w, r)).view(H, -1, Dout)  # [H, Ns*r, Dout]
         bias = torch.bmm(pos.to(x.dtype).reshape(H, 1, block * D), w)  # [H, 1, Dout]
         out = y[:, _piece_index(row_slot, r)].sum(2) + bias  # [H, Tc, Dout]
@@ -100,8 +106,7 @@ class CompressFunction(torch.autograd.Function):
         dy = x.new_zeros(H, (Ns + 1) * r, Dout)
         dy[:, idx.reshape(-1)] = do[:, :, None, :].expand(-1, -1, r, -1).reshape(H, -1, Dout)
         dy = dy[:, :Ns * r].reshape(H, Ns, r * Dout)
-        xp = torch.cat([x, x.new_zeros(1, H, D)])
-        chunks = xp[tok].permute(2, 0, 1, 3).reshape(H, -1, stride * D)  # [H, Ns, d*D], recomputed
+        chunks = _gather_chunks(x, tok)  # [H, Ns, d*D], recomputed
         dw = torch.bmm(chunks.transpose(1, 2), dy)  # [H, d*D, r*Dout]
         dw = dw.view(H, stride * D, r, Dout).permute(0, 2, 1, 3).reshape(H, block * D, Dout).float()
         dbias = do.float().sum(1)  # [H, Dout]

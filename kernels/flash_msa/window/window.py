@@ -57,6 +57,20 @@ def _split_range(start, end, in_lo, in_hi, B: tl.constexpr):
 
 
 @triton.jit
+def _query_tile_keys(lo, hi, o_t, m_m, BN: tl.constexpr):
+    # key ranges of a tile of query rows: each row's [lo, hi) ([BM] each), the union
+    # [n_start, n_end) of the non-empty rows, and the interior [a, b) every row sees in full
+    # (an empty row makes it empty)
+    b_lo = tl.load(lo + o_t, mask=m_m, other=0)  # [BM]
+    b_hi = tl.load(hi + o_t, mask=m_m, other=0)
+    m_nonempty = m_m & (b_lo < b_hi)
+    n_start = tl.min(tl.where(m_nonempty, b_lo, _BIG), 0)
+    n_end = tl.max(tl.where(m_nonempty, b_hi, 0), 0)
+    a, b = _split_range(n_start, n_end, tl.max(tl.where(m_m, b_lo, 0), 0), tl.min(tl.where(m_m, b_hi, _BIG), 0), BN)
+    return b_lo, b_hi, n_start, a, b, n_end
+
+
+@triton.jit
 def _kv_tile(k, v, n0, n_end, i_h, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
              MASK: tl.constexpr):
     # key rows [n0, n0 + BN) of KV head i_h; an interior tile (MASK false) lies inside [0, n_end)
@@ -104,13 +118,7 @@ def range_attn_fwd_kernel(
     m_d = o_d < D
     p_q = q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.)  # [BM, BD]
-    b_lo = tl.load(lo + o_t, mask=m_m, other=0)  # [BM]
-    b_hi = tl.load(hi + o_t, mask=m_m, other=0)
-    m_nonempty = m_m & (b_lo < b_hi)
-    n_start = tl.min(tl.where(m_nonempty, b_lo, _BIG), 0)
-    n_end = tl.max(tl.where(m_nonempty, b_hi, 0), 0)
-    # key columns every row of the tile sees (an empty row makes it empty)
-    a, b = _split_range(n_start, n_end, tl.max(tl.where(m_m, b_lo, 0), 0), tl.min(tl.where(m_m, b_hi, _BIG), 0), BN)
+    b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, hi, o_t, m_m, BN)
 
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
@@ -177,12 +185,7 @@ def range_attn_bwd_dq_kernel(
     # rows with nothing visible (lse = -inf) contribute nothing; keep their exp2 finite
     b_lse = tl.where(b_lse == float("-inf"), 0., b_lse)
     b_delta = tl.load(delta + o_t * HQ + o_hq, mask=m_m, other=0.)  # [BM]
-    b_lo = tl.load(lo + o_t, mask=m_m, other=0)
-    b_hi = tl.load(hi + o_t, mask=m_m, other=0)
-    m_nonempty = m_m & (b_lo < b_hi)
-    n_start = tl.min(tl.where(m_nonempty, b_lo, _BIG), 0)
-    n_end = tl.max(tl.where(m_nonempty, b_hi, 0), 0)
-    a, b = _split_range(n_start, n_end, tl.max(tl.where(m_m, b_lo, 0), 0), tl.min(tl.where(m_m, b_hi, _BIG), 0), BN)
+    b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, hi, o_t, m_m, BN)
 
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
     for n0 in range(n_start, a, BN):

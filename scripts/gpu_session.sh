@@ -2,7 +2,7 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune fla tiny e2e nsa selected
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e nsa selected
 # (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -38,9 +38,6 @@ for stage in $stages; do
       timeout 330 python3 scripts/tune_nsa.py --out "$OUT" --Ts 65536,262144 --models llama3_8b > "$OUT/tune.log" 2>&1
       mkdir -p "$OUT/qwen"
       timeout 90 python3 scripts/tune_nsa.py --out "$OUT/qwen" --Ts 65536 --models qwen3_14b --ops topk >> "$OUT/tune.log" 2>&1 ;;
-    fla)    # G=16 selected attention: fmsa, nsa and fla-core's parallel_nsa side by side
-      mkdir -p "$OUT/fla"
-      timeout 150 python3 scripts/bench_selected.py --out "$OUT/fla" --Ts 65536 --Gs 16 --check-T 4096 2>&1 | tail -20 | tee "$OUT/fla.log" ;;
     selected)  # G=4, 5 (the targets) and 16 (with fla-core) at 64K; then fmsa vs nsa forward at 1M tokens, G=4
       timeout 240 python3 scripts/bench_selected.py --out "$OUT" --Ts 65536 --Gs 4,5,16 --check-T 4096 2>&1 | tail -20 | tee "$OUT/selected.log"
       mkdir -p "$OUT/sel1m"

@@ -207,19 +207,27 @@ def profile(T, G, D, S, bs, device):
 
 
 def variants(T, G, D, S, bs, device):
-    """fmsa forward and forward+backward under launch-setting variants (module globals of fmsa)."""
+    """fmsa forward and forward+backward under launch-setting and kernel variants (module globals
+    of fmsa), each checked against the first variant's outputs (o, dq, dk, dv) before timing."""
     from flash_msa.selection import fmsa
     HK = 4 if G == 16 else 8
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
-    base = {n: getattr(fmsa, n) for n in ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES",
-                                          "SEG_TILES", "PARTIAL_BUDGET")}
-    fwd_variants = [{}, {"FWD_TILES": 2, "FWD_STAGES": 2}, {"FWD_TILES": 4, "FWD_STAGES": 2},
-                    {"FWD_TILES": 4, "FWD_STAGES": 3}, {"FWD_TILES": 8, "FWD_STAGES": 2},
-                    {"FWD_TILES": 4, "FWD_STAGES": 2, "FWD_WARPS": 8}, {"PARTIAL_BUDGET": 1280 << 20}]
-    bwd_variants = [{}, {"BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4}, {"SEG_TILES": 8}, {"SEG_TILES": 32},
-                    {"BWD_STAGES": 3}]
-    fb_fn = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5).backward(do)
+    names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "FWD_LOOP", "FWD_PROGS_PER_SM", "FWD_LOOP_STAGES",
+             "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES", "PARTIAL_BUDGET",
+             "BWD_SPLIT_DQ", "DQ_BM", "DQ_WARPS", "DQ_STAGES", "DQ_PROGS_PER_SM")
+    base = {n: getattr(fmsa, n) for n in names}
+    fwd_variants = [{}, {"FWD_LOOP": False}, {"FWD_PROGS_PER_SM": 2}, {"FWD_PROGS_PER_SM": 4},
+                    {"FWD_LOOP_STAGES": 2}, {"FWD_LOOP_STAGES": 4}, {"FWD_BM": 32, "FWD_PROGS_PER_SM": 6},
+                    {"FWD_BM": 128, "FWD_WARPS": 8, "FWD_PROGS_PER_SM": 1}, {"PARTIAL_BUDGET": 1280 << 20}]
+    bwd_variants = [{}, {"BWD_SPLIT_DQ": True}, {"BWD_SPLIT_DQ": True, "BWD_BM": 64, "BWD_WARPS": 4},
+                    {"BWD_SPLIT_DQ": True, "BWD_BM": 64, "BWD_WARPS": 8}, {"BWD_SPLIT_DQ": True, "BWD_STAGES": 3},
+                    {"BWD_SPLIT_DQ": True, "DQ_STAGES": 2}, {"BWD_SPLIT_DQ": True, "DQ_PROGS_PER_SM": 2},
+                    {"BWD_BM": 64, "BWD_WARPS": 8}, {"BWD_BM": 64, "BWD_WARPS": 8, "BWD_STAGES": 3},
+                    {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 3}, {"BWD_STAGES": 1}]
+    run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5)
+    fb_fn = lambda: run().backward(do)
+    ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:
             for n, x in base.items():
@@ -227,13 +235,19 @@ def variants(T, G, D, S, bs, device):
             for n, x in var.items():
                 setattr(fmsa, n, x)
             try:
+                o = run()
+                got = (o, *torch.autograd.grad(o, (q, k, v), do))
+                if ref is None:
+                    ref = got
+                err = max(rel_rms(a, b) for a, b in zip(got, ref))
+                del o, got
                 if kind == "fwd":
                     with torch.no_grad():
-                        ms = triton.testing.do_bench(lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5),
-                                                     warmup=5, rep=20, return_mode="median")
+                        ms = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
                 else:
                     ms = triton.testing.do_bench(fb_fn, warmup=5, rep=20, grad_to_none=[q, k, v], return_mode="median")
-                print(f"variant T={T} G={G} {kind} {var or 'default'}: {ms:.2f} ms", flush=True)
+                print(f"variant T={T} G={G} {kind} {var or 'default'}: {ms:.2f} ms (max rel RMS vs first {err:.1e})",
+                      flush=True)
             except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
                 print(f"variant T={T} G={G} {kind} {var or 'default'}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
     for n, x in base.items():

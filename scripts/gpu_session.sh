@@ -2,11 +2,11 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e nsa selected
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e nsa selected ncu
 # (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$OUT/ncu_work"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
@@ -43,6 +43,19 @@ for stage in $stages; do
       mkdir -p "$OUT/sel1m"
       timeout 120 python3 scripts/bench_selected.py --out "$OUT/sel1m" --Ts 1048576 --Gs 4 --check-T 2048 \
         --skip-bwd-over 524288 --no-fla --warmup 2 --rep 10 2>&1 | tail -8 | tee -a "$OUT/selected.log" ;;
+    ncu)    # where the time goes at 64K (Llama3-8B shape): torch.profiler table, then Nsight Compute
+            # sections of one launch of each main kernel (NAME:launches to skip:launches to profile)
+      timeout 120 python3 scripts/profile_nsa.py --T 65536 --table 2>&1 | tail -40 | tee "$OUT/ncu_table.log"
+      for spec in fmsa_fwd_kernel:40:1 fmsa_merge_kernel:40:1 fmsa_bwd_dkdv_kernel:40:1 fmsa_bwd_dq_kernel:40:1 \
+                  select_blocks_kernel:2:1 range_attn_fwd_kernel:4:1 range_attn_bwd_dq_kernel:4:2 range_attn_bwd_dkdv_kernel:4:2; do
+        IFS=: read -r name skip count <<< "$spec"
+        timeout 150 ncu --clock-control none -k "regex:^${name}\$" --launch-skip "$skip" --launch-count "$count" \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
+          python3 scripts/profile_nsa.py --T 65536 --iters 3 > "$OUT/ncu_work/$name.txt" 2>&1
+        echo "== $name rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Local Memory Spilling" "$OUT/ncu_work/$name.txt" | head -16
+      done 2>&1 | tee "$OUT/ncu_summary.log"
+      tar czf "$OUT/ncu_reports.tgz" -C "$OUT" ncu_work && rm -rf "$OUT/ncu_work" ;;
   esac
 done
 ls -la "$OUT"

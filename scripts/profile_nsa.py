@@ -1,0 +1,50 @@
+"""Runs the whole NSA op (forward + backward) a few times at one shape, for profilers.
+
+Used by the ``ncu`` stage of scripts/gpu_session.sh: Nsight Compute attaches to this process
+and profiles one launch of one kernel (``-k regex:NAME --launch-skip N --launch-count 1``).
+With ``--table`` it prints torch.profiler's per-kernel time table of one iteration instead.
+
+Usage (repo root, on the GPU machine):
+    PYTHONPATH=kernels:. python scripts/profile_nsa.py [--T 65536] [--model llama3_8b] [--iters 3] [--table]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_nsa import MODELS, SIZES, call_nsa, make_inputs  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, default=65536)
+    ap.add_argument("--model", default="llama3_8b", choices=sorted(MODELS))
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--table", action="store_true", help="print a torch.profiler kernel table of one iteration")
+    args = ap.parse_args()
+    from flash_msa import nsa_attention
+    HQ, HK, D = MODELS[args.model]
+    leaves, do = make_inputs(args.T, HQ, HK, D, "cuda")
+
+    def step():
+        o = call_nsa(nsa_attention, leaves, **SIZES, impl=args.impl)
+        torch.autograd.grad(o, leaves, do)
+
+    for _ in range(args.iters):
+        step()
+    torch.cuda.synchronize()
+    if args.table:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

@@ -213,18 +213,11 @@ def variants(T, G, D, S, bs, device):
     HK = 4 if G == 16 else 8
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
-    names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "FWD_LOOP", "FWD_PROGS_PER_SM", "FWD_LOOP_STAGES",
-             "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES", "PARTIAL_BUDGET",
-             "BWD_SPLIT_DQ", "DQ_BM", "DQ_WARPS", "DQ_STAGES", "DQ_PROGS_PER_SM")
+    names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
+             "PARTIAL_BUDGET")
     base = {n: getattr(fmsa, n) for n in names}
-    fwd_variants = [{}, {"FWD_LOOP": False}, {"FWD_PROGS_PER_SM": 2}, {"FWD_PROGS_PER_SM": 4},
-                    {"FWD_LOOP_STAGES": 2}, {"FWD_LOOP_STAGES": 4}, {"FWD_BM": 32, "FWD_PROGS_PER_SM": 6},
-                    {"FWD_BM": 128, "FWD_WARPS": 8, "FWD_PROGS_PER_SM": 1}, {"PARTIAL_BUDGET": 1280 << 20}]
-    bwd_variants = [{}, {"BWD_SPLIT_DQ": True}, {"BWD_SPLIT_DQ": True, "BWD_BM": 64, "BWD_WARPS": 4},
-                    {"BWD_SPLIT_DQ": True, "BWD_BM": 64, "BWD_WARPS": 8}, {"BWD_SPLIT_DQ": True, "BWD_STAGES": 3},
-                    {"BWD_SPLIT_DQ": True, "DQ_STAGES": 2}, {"BWD_SPLIT_DQ": True, "DQ_PROGS_PER_SM": 2},
-                    {"BWD_BM": 64, "BWD_WARPS": 8}, {"BWD_BM": 64, "BWD_WARPS": 8, "BWD_STAGES": 3},
-                    {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 3}, {"BWD_STAGES": 1}]
+    fwd_variants = [{}, {"FWD_TILES": 1}, {"FWD_TILES": 4, "FWD_STAGES": 3}]
+    bwd_variants = [{}, {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 3}, {"BWD_STAGES": 3}]
     run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5)
     fb_fn = lambda: run().backward(do)
     ref = None

@@ -73,10 +73,13 @@ def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit):
     w.TILE_OVERRIDE = {}
     o0, lse0 = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
     ref = (o0, *w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind))
-    for kernel, cands in RANGE_CANDIDATES.items():
-        for cand in cands:
-            w.TILE_OVERRIDE = {kernel: cand}
-            name = f"BM={cand[0]} BN={cand[1]} warps={cand[2]['num_warps']} stages={cand[2]['num_stages']}"
+    cfg_name = lambda c: f"BM={c[0]} BN={c[1]} warps={c[2]['num_warps']} stages={c[2]['num_stages']}"
+    groups = [(kernel, [({kernel: c}, cfg_name(c)) for c in cands]) for kernel, cands in RANGE_CANDIDATES.items()]
+    for kernel, cands in groups:
+        if kernel not in args.range_kernels.split(","):
+            continue
+        for override, name in cands:
+            w.TILE_OVERRIDE = override
             try:
                 o, lse = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
                 if kernel == "fwd":
@@ -152,6 +155,7 @@ def main():
     ap.add_argument("--Ts", default="65536,262144")
     ap.add_argument("--models", default="llama3_8b,qwen3_14b")
     ap.add_argument("--ops", default="cmp,window,topk,compress")
+    ap.add_argument("--range-kernels", default="fwd,dq,dkdv", help="range-attention kernels to sweep")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rep", type=int, default=50)
     args = ap.parse_args()

@@ -73,13 +73,12 @@ def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit):
     w.TILE_OVERRIDE = {}
     o0, lse0 = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
     ref = (o0, *w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind))
-    cfg_name = lambda c: f"BM={c[0]} BN={c[1]} warps={c[2]['num_warps']} stages={c[2]['num_stages']}"
-    groups = [(kernel, [({kernel: c}, cfg_name(c)) for c in cands]) for kernel, cands in RANGE_CANDIDATES.items()]
-    for kernel, cands in groups:
+    for kernel, cands in RANGE_CANDIDATES.items():
         if kernel not in args.range_kernels.split(","):
             continue
-        for override, name in cands:
-            w.TILE_OVERRIDE = override
+        for cand in cands:
+            w.TILE_OVERRIDE = {kernel: cand}
+            name = f"BM={cand[0]} BN={cand[1]} warps={cand[2]['num_warps']} stages={cand[2]['num_stages']}"
             try:
                 o, lse = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
                 if kernel == "fwd":

@@ -24,7 +24,6 @@ Scores are kept in log2 units (``scale * log2(e)`` folded into the scale).
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -92,49 +91,6 @@ def fmsa_fwd_kernel(
             o_p = (b_e - c0_entry) * G + b_g  # [BM] rows of the chunk's partial buffer
             tl.store(po + o_p[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
             tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
-
-
-@triton.jit
-def fmsa_fwd_loop_kernel(
-    q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first, chunk_tiles,
-    block_start, block_end, i_c, c0_entry, NB, NPROG, scale2,
-    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr,
-):
-    # persistent: program p takes tiles p, p + NPROG, ... of the chunk. The loop body has no
-    # branch, so the compiler can prefetch the next tile's rows while this one computes.
-    i_beg = tl.load(chunk_tiles + i_c)
-    i_end = tl.load(chunk_tiles + i_c + 1)
-    o_d = tl.arange(0, D)
-    for i_tile in range(i_beg + tl.program_id(0), i_end, NPROG):
-        i_key = tl.load(tile_key + i_tile)
-        i_hk = (i_key // NB) % HK
-        i_b = i_key % NB
-        i_e0 = tl.load(key_offsets + i_key)
-        n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
-        o_r = (i_tile - tl.load(tile_first + i_key)) * BM + tl.arange(0, BM)  # [BM] rows of the key
-        m_r = o_r < n_rows
-        b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids (int32)
-        b_t = b_e // (HK * S)  # [BM] query tokens
-        b_g = o_r % G
-        b_q = tl.load(q + (b_t.to(tl.int64) * HQ + i_hk * G + b_g)[:, None] * D + o_d[None, :],
-                      mask=m_r[:, None], other=0.)
-        k0 = tl.load(block_start + i_b)
-        o_k = k0 + tl.arange(0, BS)  # [BS]
-        m_k = o_k < tl.load(block_end + i_b)
-        p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]
-        b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
-        b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
-        # keys after the query are masked; a valid entry always keeps the block's first key
-        b_s = tl.where(m_r[:, None] & (o_k[None, :] <= b_t[:, None]), b_s, float("-inf"))
-        b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
-        b_p = tl.exp2(b_s - b_m[:, None])
-        b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
-        b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]  # [BM, D] normalised partial output
-        o_p = (b_e - c0_entry) * G + b_g  # [BM] rows of the chunk's partial buffer
-        tl.store(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
-        tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
 
 
 @triton.jit
@@ -255,47 +211,6 @@ def fmsa_bwd_dkdv_kernel(
 
 
 @triton.jit
-def fmsa_bwd_dq_loop_kernel(
-    q, k, v, do, lse, delta, dqp, entry_ids, key_offsets, tile_key, tile_first, chunk_tiles,
-    block_start, block_end, i_c, c0_entry, NB, NPROG, scale2, scale,
-    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr,
-):
-    # dq contribution of every (row, key) pair, KV-block-centric like the forward (persistent,
-    # branch-free loop body); the dk/dv kernel then runs without its dq matmul
-    i_beg = tl.load(chunk_tiles + i_c)
-    i_end = tl.load(chunk_tiles + i_c + 1)
-    o_d = tl.arange(0, D)
-    for i_tile in range(i_beg + tl.program_id(0), i_end, NPROG):
-        i_key = tl.load(tile_key + i_tile)
-        i_hk = (i_key // NB) % HK
-        i_b = i_key % NB
-        i_e0 = tl.load(key_offsets + i_key)
-        n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
-        o_r = (i_tile - tl.load(tile_first + i_key)) * BM + tl.arange(0, BM)
-        m_r = o_r < n_rows
-        b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)
-        b_t = b_e // (HK * S)
-        o_h = b_t.to(tl.int64) * HQ + i_hk * G + o_r % G  # [BM] rows of q, do, lse, delta
-        b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-        b_do = tl.load(do + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-        b_lse = tl.load(lse + o_h, mask=m_r, other=0.)
-        b_delta = tl.load(delta + o_h, mask=m_r, other=0.)
-        o_k = tl.load(block_start + i_b) + tl.arange(0, BS)
-        m_k = o_k < tl.load(block_end + i_b)
-        p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]
-        b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)
-        b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2
-        b_p = tl.where(m_r[:, None] & (o_k[None, :] <= b_t[:, None]), tl.exp2(b_s - b_lse[:, None]), 0.)
-        b_dp = tl.dot(b_do, tl.trans(b_v))
-        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
-        b_dq = tl.dot(b_ds, b_k) * scale
-        o_p = ((b_e - c0_entry) * G + o_r % G).to(tl.int64)
-        tl.store(dqp + o_p[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty), mask=m_r[:, None])
-
-
-@triton.jit
 def fmsa_bwd_dkdv_reduce_kernel(
     dk, dv, dkp, dvp, key_offsets, slot_first, block_start, block_end, i_c, NB, NBC,
     HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SEG: tl.constexpr,
@@ -347,18 +262,6 @@ def fmsa_bwd_dq_kernel(
     tl.store(dq + o_h[:, None] * D + o_d[None, :], b_dq.to(dq.dtype.element_ty), mask=m_g[:, None])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device) -> int:
-    """Multiprocessors of a CUDA device; a small number for the CPU interpreter."""
-    if device.type != "cuda":
-        return 2
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _group_rows(G: int) -> int:
     return max(16, triton.next_power_of_2(G))
 
@@ -380,11 +283,7 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 # Launch settings (measured on H200, docs/selected_attention.md); module globals so the
 # benchmark can time variants.
 FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 2
-# persistent forward (fmsa_fwd_loop_kernel): programs per multiprocessor, pipeline depth
-FWD_LOOP, FWD_PROGS_PER_SM, FWD_LOOP_STAGES = True, 3, 3
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 2
-# dq by its own persistent kernel (fmsa_bwd_dq_loop_kernel) instead of inside the dk/dv kernel
-BWD_SPLIT_DQ, DQ_BM, DQ_WARPS, DQ_STAGES, DQ_PROGS_PER_SM = False, 64, 4, 3, 3
 
 
 def _fwd_tile_rows(D: int, block_size: int) -> int:
@@ -431,19 +330,11 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale):
         entries = min(Tc, T - c0) * HK * S
         # static bound on the chunk's tiles: each key adds at most one partial tile
         tiles = (entries * G + BM - 1) // BM + min(entries, HK * chunk_blocks(csr, i_c))
-        if FWD_LOOP:
-            nprog = min(tiles, _num_sms(q.device) * FWD_PROGS_PER_SM)
-            fmsa_fwd_loop_kernel[(nprog,)](
-                q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
-                meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, nprog, scale * LOG2E,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM,
-                num_warps=FWD_WARPS, num_stages=FWD_LOOP_STAGES if meta.block_size * D <= 64 * 128 else 1)
-        else:
-            fmsa_fwd_kernel[(triton.cdiv(tiles, FWD_TILES),)](
-                q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
-                meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES,
-                num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1)
+        fmsa_fwd_kernel[(triton.cdiv(tiles, FWD_TILES),)](
+            q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
+            meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES,
+            num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1)
         fmsa_merge_kernel[(min(Tc, T - c0), HK)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
@@ -469,27 +360,16 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
     dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     write_dq = dq_partial is not None
-    split_dq = write_dq and BWD_SPLIT_DQ
-    if split_dq:
-        tile_key, tile_first, chunk_tiles = tile_schedule(csr, G, DQ_BM)
     for i_c in range(csr.num_chunks):  # chunks of query tokens bound the dq partial buffer
         c0 = i_c * Tc
         nbc = chunk_blocks(csr, i_c)
         entries = min(Tc, T - c0) * HK * S
-        if split_dq:
-            tiles = (entries * G + DQ_BM - 1) // DQ_BM + min(entries, HK * nbc)
-            nprog = min(tiles, _num_sms(q.device) * DQ_PROGS_PER_SM)
-            fmsa_bwd_dq_loop_kernel[(nprog,)](
-                q, k, v, do, lse, delta, dq_partial, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
-                chunk_tiles, meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, nprog,
-                scale * LOG2E, scale, HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=DQ_BM,
-                num_warps=DQ_WARPS, num_stages=DQ_STAGES)
         segs = (entries * G + SEG - 1) // SEG + min(entries, HK * nbc)
         fmsa_bwd_dkdv_kernel[(segs,)](
             q, k, v, do, lse, delta, dk, dv, dkp, dvp, dq_partial if write_dq else dk,
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, chunk_segs, slot_first,
             meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E, scale,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq and not split_dq,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq,
             num_warps=BWD_WARPS, num_stages=BWD_STAGES)
         fmsa_bwd_dkdv_reduce_kernel[(HK * nbc,)](
             dk, dv, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,

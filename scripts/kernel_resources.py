@@ -1,0 +1,131 @@
+"""Registers, spills, shared memory and instruction counts of the main Triton kernels, compiled
+for the H200 (sm_90) on any machine, no GPU needed.
+
+Triton compiles ahead of time for a named target; this script does that for the shapes we
+benchmark (Llama3-8B G=4 and Qwen3-14B G=5, D=128) with the shipped launch settings, with
+pointer arguments marked 16-byte aligned as Triton's launcher marks them on the device, and
+reads the resource usage back with the cuobjdump that Triton's wheel carries. Under the device's
+Triton (3.6) it reproduces what Nsight Compute read there (benchmarks/results/ncu_nsa_64k_h200/):
+fmsa_fwd_kernel 156 registers and 49152 B of shared memory at G=4, fmsa_bwd_dkdv_kernel 255 and
+198144 B, select_blocks_kernel 168 and 77952 B. Occupancy follows: 65536 registers per SM.
+
+Usage (repo root; the Triton version decides the code, so put the device's first on the path):
+    pip install --no-deps --target /tmp/tr36 triton==3.6.0
+    PYTHONPATH=/tmp/tr36:kernels python scripts/kernel_resources.py [--kernels fmsa_fwd,topk]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM90 = GPUTarget("cuda", 90, 32)
+REGS_PER_SM, SMEM_PER_SM, MAX_WARPS_PER_SM = 65536, 228 * 1024, 64
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, aligned=(), **options):
+    """Compile ``fn`` for sm_90: signature {arg: "*bf16" | "i32" | ...}, constexprs {arg: value}.
+
+    Like the launcher on the device, pointers are marked 16-byte aligned; so are the integer
+    arguments named in ``aligned`` (the launcher marks an int divisible by 16 when its value is).
+    """
+    sig = dict(signature)
+    sig.update({n: "constexpr" for n in constexprs})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+             if t.startswith("*") or n in aligned}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(src, target=SM90, options=options)
+
+
+def resources(compiled, num_warps: int) -> dict:
+    """Registers, stack, local-memory (spill) instructions, shared memory, SASS counts, occupancy."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    regs, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
+    shared = compiled.metadata.shared
+    blocks = min(REGS_PER_SM // max(1, regs * 32 * num_warps), SMEM_PER_SM // max(1, shared + 1024),
+                 MAX_WARPS_PER_SM // num_warps)
+    count = lambda pat: len(re.findall(pat, sass, re.M))
+    return dict(regs=regs, stack=stack, spill_ops=count(r"\b(?:LDL|STL)\b"), shared=shared,
+                sass=count(r"^\s+/\*[0-9a-f]{4,}\*/"), hgmma=count(r"\bHGMMA\b"), lds_sts=count(r"\b(?:LDS|STS)\b"),
+                shfl=count(r"\bSHFL\b"), layout_converts=compiled.asm["ttgir"].count("ttg.convert_layout"),
+                blocks_per_sm=blocks, warps_per_sm=blocks * num_warps)
+
+
+def cases():
+    """(name, kernel, signature, constexprs, 16-divisible ints, launch options) for the shipped
+    settings at T = 64K (T, Tk and the chunk's first entry are multiples of 16 there)."""
+    from flash_msa.compression import topk
+    from flash_msa.selection import fmsa
+    from flash_msa.window import window as w
+    B, F, I = "*bf16", "*fp32", "*i32"
+    out = []
+    for G in (4, 5):
+        HQ = 8 * G
+        sig = dict(q=B, k=B, v=B, po=B, plse=F, entry_ids=I, key_offsets=I, tile_key=I, tile_first=I,
+                   chunk_tiles=I, block_start=I, block_end=I, i_c="i32", c0_entry="i32", NB="i32", scale2="fp32")
+        out.append((f"fmsa_fwd G={G}", fmsa.fmsa_fwd_kernel, sig,
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=fmsa.FWD_BM, NT=fmsa.FWD_TILES), ("c0_entry",),
+                    dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa.FWD_STAGES)))
+        sig = dict(po=B, plse=F, o=B, lse=F, block_indices=I, tok_start=I, c0="i64", T="i32")
+        out.append((f"fmsa_merge G={G}", fmsa.fmsa_merge_kernel, sig,
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16), ("T",),
+                    dict(num_warps=4)))
+        sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dk=F, dv=F, dkp=F, dvp=F, dqp=B, entry_ids=I, key_offsets=I,
+                   seg_key=I, seg_first=I, chunk_segs=I, slot_first=I, block_start=I, block_end=I,
+                   i_c="i32", c0_entry="i32", NB="i32", scale2="fp32", scale="fp32")
+        BM = fmsa._bwd_tile_rows(128, 64)
+        out.append((f"fmsa_bwd_dkdv G={G}", fmsa.fmsa_bwd_dkdv_kernel, sig,
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=BM, SEG=fmsa.SEG_TILES * BM, WRITE_DQ=True),
+                    ("c0_entry",), dict(num_warps=fmsa.BWD_WARPS, num_stages=fmsa.BWD_STAGES)))
+        sig = dict(q=B, k=B, lse=F, cu=I, cu_cmp=I, tile_seq=I, tile_t0=I, out=I, scale2="fp32")
+        cfg = topk._launch(type("cuda", (), {"type": "cuda"})(), G)
+        out.append((f"select_blocks G={G}", topk.select_blocks_kernel, sig,
+                    dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16, LOG_NB=4,
+                         BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"]), (), cfg["opts"]))
+        for kind in ("cmp", "window"):
+            tiles = w._tiles(128, type("cuda", (), {"type": "cuda"})(), kind)
+            for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F)),
+                                    ("dq", w.range_attn_bwd_dq_kernel, dict(do=B, lse=F, delta=F, dq=B)),
+                                    ("dkdv", w.range_attn_bwd_dkdv_kernel,
+                                     dict(do=B, lse=F, delta=F, dk=B, dv=B))):
+                names = fn.arg_names[:fn.arg_names.index("HQ")]
+                types = dict(q=B, k=B, v=B, lo=I, hi=I, qlo=I, qhi=I, scale2="fp32", scale="fp32", T="i32", Tk="i32",
+                             **extra)
+                bm, bn, opts = tiles[kern]
+                out.append((f"range_{kern} {kind} G={G}", fn, {n: types[n] for n in names},
+                            dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BM=bm, BN=bn), ("T", "Tk"), opts))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", default="", help="comma-separated name prefixes (default: all)")
+    args = ap.parse_args()
+    keep = [k for k in args.kernels.split(",") if k]
+    print(f"Triton {triton.__version__}, target sm_90")
+    cols = ("regs", "stack", "spill_ops", "shared", "blocks_per_sm", "warps_per_sm", "sass", "hgmma", "lds_sts",
+            "shfl", "layout_converts")
+    print("| kernel | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for name, fn, sig, const, aligned, opts in cases():
+        if keep and not any(name.startswith(k) for k in keep):
+            continue
+        r = resources(compile_sm90(fn, sig, const, aligned, **opts), opts.get("num_warps", 4))
+        print(f"| {name} | " + " | ".join(str(r[c]) for c in cols) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -221,9 +221,9 @@ def variants(T, G, D, S, bs, device):
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
-             "PARTIAL_BUDGET")
+             "PARTIAL_BUDGET", "FWD_MAXNREG")
     base = {n: getattr(fmsa, n) for n in names}
-    fwd_variants = [{}, {"FWD_TILES": 1}, {"FWD_TILES": 4, "FWD_STAGES": 3}]
+    fwd_variants = [{}, {"FWD_MAXNREG": 128}, {"FWD_TILES": 1}, {"FWD_TILES": 4, "FWD_STAGES": 3}]
     bwd_variants = [{}, {"BWD_BM": 64, "BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 3},
                     {"BWD_STAGES": 3}, {"BWD_STAGES": 1}, {"BWD_BM": 64, "BWD_WARPS": 8}]
     run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5)

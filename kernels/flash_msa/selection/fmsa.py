@@ -72,14 +72,19 @@ def fmsa_fwd_kernel(
             n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
             o_r = (i_tile - tl.load(tile_first + i_key)) * BM + tl.arange(0, BM)  # [BM] rows of the key
             m_r = o_r < n_rows
-            b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0).to(tl.int64)  # [BM] entry ids
+            # index arithmetic in int32 (entry ids < 2^31: build_selection_csr; partial rows < 2^31:
+            # fmsa_fwd), widened to int64 only for addresses; with the reciprocal below this took
+            # the kernel from 156 to 142 registers at G=4 and from 200 to 142 at G=5 (3 programs
+            # per SM instead of 2), benchmarks/results/kernel_resources_sm90.md
+            b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids
             b_t = b_e // (HK * S)  # [BM] query tokens
             b_g = o_r % G
-            b_q = tl.load(q + (b_t * HQ + i_hk * G + b_g)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-            o_k = tl.load(block_start + i_b).to(tl.int64) + tl.arange(0, BS)  # [BS]
+            b_q = tl.load(q + (b_t.to(tl.int64) * HQ + i_hk * G + b_g)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
+            o_k = tl.load(block_start + i_b) + tl.arange(0, BS)  # [BS]
             m_k = o_k < tl.load(block_end + i_b)
-            b_k = tl.load(k + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)  # [BS, D]
-            b_v = tl.load(v + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
+            p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]
+            b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
+            b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
             # keys after the query are masked; a valid entry always keeps the block's first key
             m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
@@ -87,9 +92,9 @@ def fmsa_fwd_kernel(
             b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
             b_p = tl.exp2(b_s - b_m[:, None])
             b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
-            b_o = tl.dot(b_p.to(b_v.dtype), b_v) / b_l[:, None]  # [BM, D] normalised partial output
+            b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]  # [BM, D] normalised partial output
             o_p = (b_e - c0_entry) * G + b_g  # [BM] rows of the chunk's partial buffer
-            tl.store(po + o_p[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
+            tl.store(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
             tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
 
 
@@ -166,9 +171,9 @@ def fmsa_bwd_dkdv_kernel(
     r_begin = i_j * SEG
     r_end = tl.minimum(n_rows, r_begin + SEG)
     o_d = tl.arange(0, D)
-    o_k = tl.load(block_start + i_b).to(tl.int64) + tl.arange(0, BS)  # [BS]
+    o_k = tl.load(block_start + i_b) + tl.arange(0, BS)  # [BS]
     m_k = o_k < tl.load(block_end + i_b)
-    p_kv = (o_k * HK + i_hk)[:, None] * D + o_d[None, :]  # [BS, D]
+    p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]  # [BS, D]
     b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)
     b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
     b_dk = tl.zeros([BS, D], dtype=tl.float32)
@@ -176,10 +181,10 @@ def fmsa_bwd_dkdv_kernel(
     for i_r in range(r_begin, r_end, BM):
         o_r = i_r + tl.arange(0, BM)
         m_r = o_r < r_end
-        b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0).to(tl.int64)
+        b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # int32, as in the forward
         b_t = b_e // (HK * S)
         b_g = o_r % G
-        o_h = b_t * HQ + i_hk * G + b_g  # [BM] rows of q, do, lse, delta
+        o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q, do, lse, delta
         b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)  # [BM, D]
         b_do = tl.load(do + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
         b_lse = tl.load(lse + o_h, mask=m_r, other=0.)
@@ -194,7 +199,8 @@ def fmsa_bwd_dkdv_kernel(
         if WRITE_DQ:
             b_dq = tl.dot(b_ds, b_k) * scale  # [BM, D]
             o_p = (b_e - c0_entry) * G + b_g
-            tl.store(dqp + o_p[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty), mask=m_r[:, None])
+            tl.store(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty),
+                     mask=m_r[:, None])
     b_dk = b_dk * scale
     if n_rows <= SEG:
         # the only program of this key in this chunk: add to the fp32 accumulators in chunk order
@@ -283,6 +289,10 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 # Launch settings (measured on H200, docs/selected_attention.md); module globals so the
 # benchmark can time variants.
 FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 2
+# Register cap of the forward kernel (None: the compiler's choice, 142 registers, 3 programs per
+# SM). 128 fits 4 per SM at the cost of a few spills (benchmarks/results/kernel_resources_sm90.md);
+# not yet timed, so not the default: bench_selected.py --variants times it.
+FWD_MAXNREG = None
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 2
 
 
@@ -334,7 +344,8 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale):
             q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
             meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES,
-            num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1)
+            num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
+            **({"maxnreg": FWD_MAXNREG} if FWD_MAXNREG and q.is_cuda else {}))
         fmsa_merge_kernel[(min(Tc, T - c0), HK)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
@@ -386,9 +397,13 @@ class FMSASelectedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale, chunk_size):
         T, HQ, D = q.shape
-        meta = get_block_meta(cu_seqlens, T, block_size)
         if chunk_size is None:
             chunk_size = default_chunk_size(T, HQ, block_indices.shape[-1], D, q.element_size())
+        rows = min(chunk_size, T) * HQ * block_indices.shape[-1]
+        if rows >= 2 ** 31:  # the kernels index partial rows in int32
+            raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per chunk (chunk * HQ * S); "
+                             "it must be < 2^31")
+        meta = get_block_meta(cu_seqlens, T, block_size)
         csr = build_selection_csr(block_indices, meta, chunk_size)
         o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale)
         ctx.save_for_backward(q, k, v, o, lse, block_indices)

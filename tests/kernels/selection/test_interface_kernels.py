@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from flash_msa import selected_attention
+from flash_msa.selection.fmsa import fmsa_selected_attention
 from flash_msa.selection.interface import IMPLS, choose_impl
 from flash_msa.utils.csr import build_selection_csr, prepare_block_meta
 from tests.kernels.selection._cases import kernel_dtype, random_indices, tolerance
@@ -101,3 +102,15 @@ def test_block_meta_is_shared_until_cu_seqlens_changes():
     cu[1] = 7  # in-place change: a new version, so the cached metadata must not be reused
     assert get_block_meta(cu, 40, 16).tok_start[6].item() == 0
     assert get_block_meta(cu.clone(), 40, 16) is not first
+
+
+def test_chunk_with_too_many_partial_rows_is_refused():
+    """The kernels index a chunk's partial rows (chunk * HQ * S) in int32: a chunk_size that
+    would overflow them raises before anything is allocated (meta tensors: no memory)."""
+    T, HQ, HK, D, S = 1 << 21, 64, 4, 64, 32
+    q = torch.empty(1, T, HQ, D, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, T, HK, D, device="meta", dtype=torch.bfloat16)
+    bi = torch.empty(1, T, HK, S, device="meta", dtype=torch.int32)
+    cu = torch.empty(2, device="meta", dtype=torch.int32)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fmsa_selected_attention(q, k, k, bi, 64, cu, D ** -0.5, chunk_size=T)

@@ -68,7 +68,7 @@ def cases():
     """(name, kernel, signature, constexprs, 16-divisible ints, launch options) for the shipped
     settings at T = 64K (T, Tk and the chunk's first entry are multiples of 16 there)."""
     from flash_msa.compression import topk
-    from flash_msa.selection import fmsa
+    from flash_msa.selection import fmsa, nsa
     from flash_msa.window import window as w
     B, F, I = "*bf16", "*fp32", "*i32"
     out = []
@@ -90,6 +90,13 @@ def cases():
         out.append((f"fmsa_bwd_dkdv G={G}", fmsa.fmsa_bwd_dkdv_kernel, sig,
                     dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=BM, SEG=fmsa.SEG_TILES * BM, WRITE_DQ=True),
                     ("c0_entry",), dict(num_warps=fmsa.BWD_WARPS, num_stages=fmsa.BWD_STAGES)))
+        sig = dict(q=B, k=B, v=B, o=B, lse=F, block_indices=I, tok_start=I, scale2="fp32")
+        nsa_opts = dict(num_warps=4, num_stages=nsa._stages(64, 128))
+        out.append((f"nsa_fwd G={G}", nsa.nsa_fwd_kernel, sig,
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G)), (), nsa_opts))
+        sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dq=B, block_indices=I, tok_start=I, scale2="fp32", scale="fp32")
+        out.append((f"nsa_bwd_dq G={G}", nsa.nsa_bwd_dq_kernel, sig,
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G)), (), nsa_opts))
         sig = dict(q=B, k=B, lse=F, cu=I, cu_cmp=I, tile_seq=I, tile_t0=I, out=I, scale2="fp32")
         cfg = topk._launch(type("cuda", (), {"type": "cuda"})(), G)
         out.append((f"select_blocks G={G}", topk.select_blocks_kernel, sig,

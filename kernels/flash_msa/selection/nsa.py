@@ -44,13 +44,14 @@ def nsa_fwd_kernel(
     b_l = tl.zeros([BG], dtype=tl.float32)
     b_acc = tl.zeros([BG, D], dtype=tl.float32)
     for i_s in range(S):
-        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s).to(tl.int64)
+        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s)
         if (b_idx >= 0) & (b_idx <= own):
-            o_k = b_start + b_idx * BS + o_bs  # [BS] absolute key positions
+            # int32 positions (< T), widened to int64 only for the addresses
+            o_k = (b_start + b_idx * BS).to(tl.int32) + o_bs  # [BS] absolute key positions
             m_k = o_k <= i_t
-            p_k = k + (o_k * HK + i_hk)[:, None] * D + o_d[None, :]
-            b_k = tl.load(p_k, mask=m_k[:, None], other=0.)  # [BS, D]
-            b_v = tl.load(v + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
+            p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]
+            b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
+            b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BG, BS]
             b_s = tl.where(m_k[None, :], b_s, float("-inf"))
             b_mn = tl.maximum(b_m, tl.max(b_s, 1))
@@ -86,12 +87,13 @@ def nsa_bwd_dq_kernel(
     b_delta = tl.load(delta + o_h, mask=m_g, other=0.)
     b_dq = tl.zeros([BG, D], dtype=tl.float32)
     for i_s in range(S):
-        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s).to(tl.int64)
+        b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s)
         if (b_idx >= 0) & (b_idx <= own):
-            o_k = b_start + b_idx * BS + o_bs
+            o_k = (b_start + b_idx * BS).to(tl.int32) + o_bs  # as in the forward
             m_k = o_k <= i_t
-            b_k = tl.load(k + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
-            b_v = tl.load(v + (o_k * HK + i_hk)[:, None] * D + o_d[None, :], mask=m_k[:, None], other=0.)
+            p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]
+            b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)
+            b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BG, BS]
             b_p = tl.where(m_k[None, :], tl.exp2(b_s - b_lse[:, None]), 0.)
             b_dp = tl.dot(b_do, tl.trans(b_v))  # [BG, BS]

@@ -79,7 +79,8 @@ def fmsa_fwd_kernel(
             b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids
             b_t = b_e // (HK * S)  # [BM] query tokens
             b_g = o_r % G
-            b_q = tl.load(q + (b_t.to(tl.int64) * HQ + i_hk * G + b_g)[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
+            o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q
+            b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
             o_k = tl.load(block_start + i_b) + tl.arange(0, BS)  # [BS]
             m_k = o_k < tl.load(block_end + i_b)
             p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]

@@ -6,7 +6,7 @@
 # (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT" "$OUT/ncu_work"
+mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
@@ -45,6 +45,7 @@ for stage in $stages; do
         --skip-bwd-over 524288 --no-fla --warmup 2 --rep 10 2>&1 | tail -8 | tee -a "$OUT/selected.log" ;;
     ncu)    # where the time goes at 64K (Llama3-8B shape): torch.profiler table, then Nsight Compute
             # sections of one launch of each main kernel (NAME:launches to skip:launches to profile)
+      mkdir -p "$OUT/ncu_work"
       timeout 120 python3 scripts/profile_nsa.py --T 65536 --table 2>&1 | tail -40 | tee "$OUT/ncu_table.log"
       for spec in fmsa_fwd_kernel:40:1 fmsa_merge_kernel:40:1 fmsa_bwd_dkdv_kernel:40:1 fmsa_bwd_dq_kernel:40:1 \
                   select_blocks_kernel:2:1 range_attn_fwd_kernel:4:1 range_attn_bwd_dq_kernel:4:2 range_attn_bwd_dkdv_kernel:4:2; do

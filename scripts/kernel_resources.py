@@ -21,6 +21,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -98,12 +99,12 @@ def cases():
         out.append((f"nsa_bwd_dq G={G}", nsa.nsa_bwd_dq_kernel, sig,
                     dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G)), (), nsa_opts))
         sig = dict(q=B, k=B, lse=F, cu=I, cu_cmp=I, tile_seq=I, tile_t0=I, out=I, scale2="fp32")
-        cfg = topk._launch(type("cuda", (), {"type": "cuda"})(), G)
+        cfg = topk._launch(torch.device("cuda"), G)
         out.append((f"select_blocks G={G}", topk.select_blocks_kernel, sig,
                     dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16, LOG_NB=4,
                          BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"]), (), cfg["opts"]))
         for kind in ("cmp", "window"):
-            tiles = w._tiles(128, type("cuda", (), {"type": "cuda"})(), kind)
+            tiles = w._tiles(128, torch.device("cuda"), kind)
             for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F)),
                                     ("dq", w.range_attn_bwd_dq_kernel, dict(do=B, lse=F, delta=F, dq=B)),
                                     ("dkdv", w.range_attn_bwd_dkdv_kernel,

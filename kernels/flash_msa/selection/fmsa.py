@@ -73,9 +73,10 @@ def fmsa_fwd_kernel(
             o_r = (i_tile - tl.load(tile_first + i_key)) * BM + tl.arange(0, BM)  # [BM] rows of the key
             m_r = o_r < n_rows
             # index arithmetic in int32 (entry ids < 2^31: build_selection_csr; partial rows < 2^31:
-            # fmsa_fwd), widened to int64 only for addresses; with the reciprocal below this took
-            # the kernel from 156 to 142 registers at G=4 and from 200 to 142 at G=5 (3 programs
-            # per SM instead of 2), benchmarks/results/kernel_resources_sm90.md
+            # the chunk_size check in FMSASelectedAttentionFunction), widened to int64 only for
+            # addresses; with the reciprocal below this took the kernel from 156 to 142 registers
+            # at G=4 and from 200 to 142 at G=5 (3 programs per SM instead of 2),
+            # benchmarks/results/kernel_resources_sm90.md
             b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids
             b_t = b_e // (HK * S)  # [BM] query tokens
             b_g = o_r % G

@@ -5,7 +5,7 @@ Times, side by side in one run, candidate tiles of
     packed compressed rows, long ranges) and as the sliding window ("window", w=512): the
     forward, and the backward (delta + dq + dk/dv) with one kernel's tiles changed at a time;
   * the fused top-n selection (kernels/flash_msa/compression/topk.py): tokens per program,
-    heads looped or stacked into one matmul, warps and stages.
+    heads looped or stacked into one matmul, sort network (ours or tl.sort), warps and stages.
 Every candidate is checked against the shipped settings first (outputs within 2e-2 relative
 RMS in bf16, top-n rows identical but for near-ties); the shipped settings are the first row
 of each group. Timing: triton.testing.do_bench, median.
@@ -43,14 +43,16 @@ RANGE_CANDIDATES = {
              cfg(128, 64, 8, 2), cfg(32, 64, 4, 3), cfg(64, 64, 8, 3)],
 }
 TOPK_CANDIDATES = [None,  # the shipped settings
-                   dict(BT=64, stack=False, opts=dict(num_warps=8, num_stages=2)),
-                   dict(BT=32, stack=False, opts=dict(num_warps=4, num_stages=2)),
-                   dict(BT=128, stack=False, opts=dict(num_warps=8, num_stages=2)),
-                   dict(BT=16, stack=True, opts=dict(num_warps=4, num_stages=2)),
-                   dict(BT=32, stack=True, opts=dict(num_warps=4, num_stages=2)),
-                   dict(BT=32, stack=True, opts=dict(num_warps=8, num_stages=2)),
-                   dict(BT=64, stack=True, opts=dict(num_warps=8, num_stages=2)),
-                   dict(BT=32, stack=True, opts=dict(num_warps=8, num_stages=3))]
+                   # our sort network
+                   dict(BT=64, stack=False, tl_sort=False, opts=dict(num_warps=4, num_stages=2)),
+                   dict(BT=32, stack=True, tl_sort=False, opts=dict(num_warps=4, num_stages=2)),
+                   dict(BT=16, stack=True, tl_sort=False, opts=dict(num_warps=4, num_stages=2)),
+                   # Triton's (tl.sort + tl.bitonic_merge)
+                   dict(BT=32, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2)),
+                   dict(BT=128, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2)),
+                   dict(BT=128, stack=False, tl_sort=True, opts=dict(num_warps=8, num_stages=2)),
+                   dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=3)),
+                   dict(BT=32, stack=True, tl_sort=True, opts=dict(num_warps=4, num_stages=2))]
 
 
 def rel_rms(x, ref):
@@ -102,7 +104,8 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
     for cand in TOPK_CANDIDATES:
         topk.LAUNCH_OVERRIDE = dict(cand or {})
         name = "shipped" if cand is None else (f"BT={cand['BT']} stack={int(cand['stack'])} "
-                                               f"warps={cand['opts']['num_warps']} stages={cand['opts']['num_stages']}")
+                                               f"warps={cand['opts']['num_warps']} stages={cand['opts']['num_stages']}"
+                                               + (" tl_sort" if cand.get("tl_sort") else " own-sort"))
         try:
             idx = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
             same = (idx == ref).all(-1).float().mean().item()

@@ -17,7 +17,9 @@ blocks, up to the tile's last own block, and for each chunk:
    into one int64 key, ``bits(score) << 32 | (2^31 - 1 - block)`` (scores are >= 0, so the
    float bits order like the floats; a lower block wins a tie), and the running list and the
    chunk are merged with a bitonic network (sort the chunk ascending, take the elementwise max
-   with the descending list, bitonic-merge), keeping the top NB.
+   with the descending list, bitonic-merge), keeping the top NB. Two networks do this: ours
+   (``_bitonic_sort``, ``_bitonic_merge_desc``) and Triton's (``tl.sort``, ``tl.bitonic_merge``),
+   which is faster on the GPU; both sort the same int64 keys exactly, so they agree bit for bit.
 
 Memory is O(T * n) for the output; no [T, T/d] score matrix exists anywhere. The first n keys
 of the list are the top n; they are written ascending by block, -1 padded (the reference
@@ -83,7 +85,7 @@ def select_blocks_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    GP: tl.constexpr, STACK: tl.constexpr,
+    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
 ):
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     i_s = tl.load(tile_seq + i_p)
@@ -151,13 +153,20 @@ def select_blocks_kernel(
         b_key = tl.where(m_cand, b_key, -1)
         # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
         # sequence holding the top NB of both (the first step of a bitonic merge); sort it.
-        b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
-        b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
+        if TL_SORT:  # Triton's network: the rows stay in registers (3 layout conversions, not 26)
+            b_key = tl.sort(b_key)
+            b_top = tl.bitonic_merge(tl.maximum(b_top, b_key), descending=True)
+        else:
+            b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
+            b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
 
     # the first TOPK keys are the top n; write their blocks ascending, -1 padded
     m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
     b_blk = -(b_top & _LOW).to(tl.int32) + _LOW
-    b_blk = _bitonic_sort(tl.where(m_keep, b_blk, _LOW), BT, LOG_NB, 0)
+    if TL_SORT:
+        b_blk = tl.sort(tl.where(m_keep, b_blk, _LOW))
+    else:
+        b_blk = _bitonic_sort(tl.where(m_keep, b_blk, _LOW), BT, LOG_NB, 0)
     b_blk = tl.where(b_blk == _LOW, -1, b_blk)
     p_o = out + (o_t * HK + i_h)[:, None] * TOPK + o_nb[None, :]
     tl.store(p_o, b_blk, mask=m_t[:, None] & (o_nb[None, :] < TOPK))
@@ -208,17 +217,18 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     cfg = _launch(q.device, G)
     cfg.update(LAUNCH_OVERRIDE)
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
+    tl_sort = cfg.get("tl_sort", False)
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
     select_blocks_kernel[(seq.numel(), HK)](
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
-        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, **opts)
+        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, **opts)
     return out
 
 
-# Launch settings ({"BT", "stack", "opts"}) that replace _launch's; tests and
+# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort") that replace _launch's; tests and
 # scripts/tune_nsa.py set them.
 LAUNCH_OVERRIDE: dict = {}
 
@@ -226,9 +236,12 @@ LAUNCH_OVERRIDE: dict = {}
 def _launch(device, G: int) -> dict:
     """Tokens per program, whether the G heads are stacked into one matmul, launch options."""
     if device.type != "cuda":
+        # our network under the CPU interpreter: Triton's runs 7.7x slower there (181 against 24 s
+        # for the top-k tests); tests/kernels/compression/test_topk.py checks that both pick the
+        # same blocks, bit for bit
         return dict(BT=32, stack=False, opts={})
-    # benchmarks/results/tune_h200.md: stacking wins at G=4 (8.6 vs 9.3 ms at 64K), but pads
-    # G=5 to 8 rows per token and loses there (14.0 vs 9.9 ms)
-    if G & (G - 1) == 0 and G <= 16:  # measured up to 16; a larger stacked tile would spill
-        return dict(BT=32, stack=True, opts=dict(num_warps=4, num_stages=2))
-    return dict(BT=64, stack=False, opts=dict(num_warps=4, num_stages=2))
+    # benchmarks/results/tune_h200_topk_sort.md: Triton's sort network with 64 tokens per program,
+    # one matmul per head, wins at every group size measured: 8.05 ms against 8.49 (our network,
+    # stacked heads) at 64K and 123.3 against 130.3 at 256K for G=4; 8.57 against 9.80 at 64K for
+    # G=5 (tune_h200_qwen3_topk_sort.json)
+    return dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2))

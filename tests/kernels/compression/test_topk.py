@@ -102,3 +102,16 @@ def test_select_blocks_stacked_heads(group, device, monkeypatch):
     HQ, HK = GROUPS[group]
     # long enough that most tokens choose 1 of their 4 blocks among up to 12 candidates
     _check([0, 5, 300, 420], HQ, HK, 16, 4, 32, device)
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["loop", "stacked"])
+def test_select_blocks_sort_networks_agree(stack, device, monkeypatch):
+    """Triton's tl.sort / tl.bitonic_merge (the GPU default) and our network (the interpreter's):
+    each matches the reference, and they pick the same blocks bit for bit."""
+    from flash_msa.compression import topk
+    picked = []
+    for tl_sort in (True, False):
+        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, stack=stack, tl_sort=tl_sort))
+        torch.manual_seed(0)
+        picked.append(_check([0, 5, 300, 420], 10, 2, 16, 4, 32, device))
+    assert torch.equal(picked[0], picked[1])

@@ -2,8 +2,8 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e nsa selected ncu
-# (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset)
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e nsa selected variants ncu
+# (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -19,7 +19,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for stage in $stages; do
   case $stage in
     tests)  # every kernel test on CUDA (bf16 against fp32 references)
-      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+      timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests/kernels} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
     tiny)   # the default recipe on the GPU with the Flash-MSA kernels
       timeout 90 python3 -m msa_train.cli recipe=tiny attention=fmsa train.output_dir="$OUT/tiny_fmsa" \
         train.save_hf=false train.progress=false 2>&1 | tail -15 | tee "$OUT/tiny_fmsa.log"
@@ -38,6 +38,13 @@ for stage in $stages; do
       timeout 330 python3 scripts/tune_nsa.py --out "$OUT" --Ts 65536,262144 --models llama3_8b > "$OUT/tune.log" 2>&1
       mkdir -p "$OUT/qwen"
       timeout 90 python3 scripts/tune_nsa.py --out "$OUT/qwen" --Ts 65536 --models qwen3_14b --ops topk >> "$OUT/tune.log" 2>&1 ;;
+    variants)  # kernel variants side by side at 64K: fmsa launch settings (module globals of
+               # fmsa.py), then the top-n kernel's launch settings and sort networks (Llama3-8B, then Qwen3-14B)
+      timeout 240 python3 scripts/bench_selected.py --out "$OUT/variants" --variants "65536,4;65536,5" --no-fla 2>&1 | tee "$OUT/selected_variants.log"
+      mkdir -p "$OUT/topk" "$OUT/topk_qwen"
+      timeout 150 python3 scripts/tune_nsa.py --out "$OUT/topk" --Ts 65536,262144 --models llama3_8b --ops topk > "$OUT/topk.log" 2>&1
+      timeout 60 python3 scripts/tune_nsa.py --out "$OUT/topk_qwen" --Ts 65536 --models qwen3_14b --ops topk >> "$OUT/topk.log" 2>&1
+      tail -40 "$OUT/topk.log" ;;
     selected)  # G=4, 5 (the targets) and 16 (with fla-core) at 64K; then fmsa vs nsa forward at 1M tokens, G=4
       timeout 240 python3 scripts/bench_selected.py --out "$OUT" --Ts 65536 --Gs 4,5,16 --check-T 4096 2>&1 | tail -20 | tee "$OUT/selected.log"
       mkdir -p "$OUT/sel1m"

@@ -291,10 +291,10 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 # Launch settings (measured on H200, docs/selected_attention.md); module globals so the
 # benchmark can time variants.
 FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 2
-# Register cap of the forward kernel (None: the compiler's choice, 142 registers, 3 programs per
-# SM). 128 fits 4 per SM at the cost of a few spills (benchmarks/results/kernel_resources_sm90.md);
-# not yet timed, so not the default: bench_selected.py --variants times it.
-FWD_MAXNREG = None
+# Register cap of the forward kernel: 128 fits 4 programs per SM instead of 3 (the compiler's
+# choice is 142 registers), at the cost of a few spills. Measured at 64K: 10.52 against 11.05 ms
+# at G=4, 12.97 against 13.70 at G=5 (benchmarks/results/selected_variants_h200.log, fourth run).
+FWD_MAXNREG = 128
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 2
 
 

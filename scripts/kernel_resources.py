@@ -7,7 +7,7 @@ pointer arguments marked 16-byte aligned as Triton's launcher marks them on the 
 reads the resource usage back with the cuobjdump that Triton's wheel carries. Under the device's
 Triton (3.6) it reproduces what Nsight Compute read there (benchmarks/results/ncu_nsa_64k_h200/):
 fmsa_fwd_kernel 156 registers and 49152 B of shared memory at G=4, fmsa_bwd_dkdv_kernel 255 and
-198144 B, select_blocks_kernel 168 and 77952 B. Occupancy follows: 65536 registers per SM.
+198144 B, select_blocks_kernel 168 and 77952 B (the kernels and settings of that profile). Occupancy follows: 65536 registers per SM.
 
 Usage (repo root; the Triton version decides the code, so put the device's first on the path):
     pip install --no-deps --target /tmp/tr36 triton==3.6.0
@@ -79,7 +79,8 @@ def cases():
                    chunk_tiles=I, block_start=I, block_end=I, i_c="i32", c0_entry="i32", NB="i32", scale2="fp32")
         out.append((f"fmsa_fwd G={G}", fmsa.fmsa_fwd_kernel, sig,
                     dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=fmsa.FWD_BM, NT=fmsa.FWD_TILES), ("c0_entry",),
-                    dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa.FWD_STAGES)))
+                    dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa.FWD_STAGES,
+                         **({"maxnreg": fmsa.FWD_MAXNREG} if fmsa.FWD_MAXNREG else {}))))
         sig = dict(po=B, plse=F, o=B, lse=F, block_indices=I, tok_start=I, c0="i64", T="i32")
         out.append((f"fmsa_merge G={G}", fmsa.fmsa_merge_kernel, sig,
                     dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16), ("T",),
@@ -100,9 +101,12 @@ def cases():
                     dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G)), (), nsa_opts))
         sig = dict(q=B, k=B, lse=F, cu=I, cu_cmp=I, tile_seq=I, tile_t0=I, out=I, scale2="fp32")
         cfg = topk._launch(torch.device("cuda"), G)
-        out.append((f"select_blocks G={G}", topk.select_blocks_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16, LOG_NB=4,
-                         BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"]), (), cfg["opts"]))
+        shipped = cfg.get("tl_sort", False)
+        for tl_sort in (shipped, not shipped):  # the shipped sort network, then the other
+            out.append((f"select_blocks{' tl_sort' if tl_sort else ' own-sort'} G={G}", topk.select_blocks_kernel,
+                        sig, dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16,
+                                  LOG_NB=4, BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"],
+                                  TL_SORT=tl_sort), (), cfg["opts"]))
         for kind in ("cmp", "window"):
             tiles = w._tiles(128, torch.device("cuda"), kind)
             for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F)),

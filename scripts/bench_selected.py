@@ -223,7 +223,8 @@ def variants(T, G, D, S, bs, device):
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
              "PARTIAL_BUDGET", "FWD_MAXNREG")
     base = {n: getattr(fmsa, n) for n in names}
-    fwd_variants = [{}, {"FWD_MAXNREG": None}, {"FWD_TILES": 4}, {"FWD_TILES": 1}]
+    fwd_variants = [{}, {"FWD_BM": 32, "FWD_WARPS": 2}, {"FWD_BM": 32, "FWD_WARPS": 4}, {"FWD_TILES": 4},
+                    {"FWD_STAGES": 3}]
     bwd_variants = [{}, {"BWD_BM": 64, "BWD_WARPS": 4}]
     run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5)
     fb_fn = lambda: run().backward(do)

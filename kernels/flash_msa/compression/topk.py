@@ -243,5 +243,7 @@ def _launch(device, G: int) -> dict:
     # benchmarks/results/tune_h200_topk_sort.md: Triton's sort network with 64 tokens per program,
     # one matmul per head, wins at every group size measured: 8.05 ms against 8.49 (our network,
     # stacked heads) at 64K and 123.3 against 130.3 at 256K for G=4; 8.57 against 9.80 at 64K for
-    # G=5 (tune_h200_qwen3_topk_sort.json)
-    return dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2))
+    # G=5 (tune_h200_qwen3_topk_sort.json). Capped at 160 registers (197 uncapped) it runs 3
+    # programs per SM instead of 2, at 12 spill instructions: 7.17 against 8.09 ms at 64K and
+    # 108.5 against 123.3 at 256K for G=4, 7.93 against 8.64 for G=5 (tune_h200_topk_maxnreg.md)
+    return dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2, maxnreg=160))

@@ -23,6 +23,7 @@ import triton
 
 from flash_msa.selection.interface import IMPLS, choose_impl
 from flash_msa.selection.naive import selected_attention_chunked
+from flash_msa.utils.compare import rel_rms
 from flash_msa.utils.varlen import default_cu_seqlens
 
 IMPL_NAMES = ("fmsa", "nsa")
@@ -59,18 +60,6 @@ def useful_flops(bi: torch.Tensor, G: int, D: int, bs: int) -> float:
     valid = (b >= 0) & (b <= t // bs)
     keys = torch.clamp(t - b * bs + 1, max=bs)
     return float((torch.where(valid, keys, 0).sum() * 4 * D * G).item())
-
-
-def rel_rms(x, ref, chunk=1 << 20):
-    """||x - ref|| / ||ref|| in float64, over chunks of rows: a float64 copy of a 1M-token
-    output is 32 GiB (that, not a kernel, was the out-of-memory of the first 1M run)."""
-    x, ref = x.reshape(-1, x.shape[-1]), ref.reshape(-1, ref.shape[-1])
-    err = norm = 0.
-    for i in range(0, x.shape[0], chunk):
-        a, b = x[i:i + chunk].double(), ref[i:i + chunk].double()
-        err += (a - b).pow(2).sum().item()
-        norm += b.pow(2).sum().item()
-    return (err / max(norm, 1e-60)) ** 0.5
 
 
 def fla_selected():

@@ -25,6 +25,8 @@ import time
 import torch
 import triton
 
+from flash_msa.utils.compare import rel_rms
+
 MODELS = {"llama3_8b": (32, 8, 128), "qwen3_14b": (40, 8, 128)}
 L, STRIDE, SLC, TOPK, WINDOW = 32, 16, 64, 16, 512
 DEVICE = "cuda"
@@ -57,11 +59,6 @@ TOPK_CANDIDATES = [None,  # the shipped settings
                    # spill instructions at 160-168, benchmarks/results/kernel_resources_sm90.md)
                    dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2, maxnreg=168)),
                    dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2, maxnreg=160))]
-
-
-def rel_rms(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def rnd(gen, *shape):  # random bf16, never zero

@@ -153,7 +153,7 @@ def select_blocks_kernel(
         b_key = tl.where(m_cand, b_key, -1)
         # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
         # sequence holding the top NB of both (the first step of a bitonic merge); sort it.
-        if TL_SORT:  # Triton's network: the rows stay in registers (3 layout conversions, not 26)
+        if TL_SORT:  # Triton's network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
             b_key = tl.sort(b_key)
             b_top = tl.bitonic_merge(tl.maximum(b_top, b_key), descending=True)
         else:

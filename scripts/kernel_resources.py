@@ -7,7 +7,8 @@ pointer arguments marked 16-byte aligned as Triton's launcher marks them on the 
 reads the resource usage back with the cuobjdump that Triton's wheel carries. Under the device's
 Triton (3.6) it reproduces what Nsight Compute read there (benchmarks/results/ncu_nsa_64k_h200/):
 fmsa_fwd_kernel 156 registers and 49152 B of shared memory at G=4, fmsa_bwd_dkdv_kernel 255 and
-198144 B, select_blocks_kernel 168 and 77952 B (the kernels and settings of that profile). Occupancy follows: 65536 registers per SM.
+198144 B, select_blocks_kernel 168 and 77952 B (the kernels and settings of that profile).
+Occupancy follows: 65536 registers per SM.
 
 Usage (repo root; the Triton version decides the code, so put the device's first on the path):
     pip install --no-deps --target /tmp/tr36 triton==3.6.0

@@ -50,6 +50,16 @@ SEG_TILES = 16
 
 
 @triton.jit
+def _block_keys(block_start, block_end, i_b, i_hk, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    # key positions of global block i_b (int32, < T), their mask, and the [BS, D] offsets of their
+    # K/V rows of KV head i_hk (widened to int64 for the address only)
+    o_k = tl.load(block_start + i_b) + tl.arange(0, BS)  # [BS]
+    m_k = o_k < tl.load(block_end + i_b)
+    p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + tl.arange(0, D)[None, :]
+    return o_k, m_k, p_kv
+
+
+@triton.jit
 def fmsa_fwd_kernel(
     q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first, chunk_tiles,
     block_start, block_end, i_c, c0_entry, NB, scale2,
@@ -82,9 +92,7 @@ def fmsa_fwd_kernel(
             b_g = o_r % G
             o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q
             b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-            o_k = tl.load(block_start + i_b) + tl.arange(0, BS)  # [BS]
-            m_k = o_k < tl.load(block_end + i_b)
-            p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]
+            o_k, m_k, p_kv = _block_keys(block_start, block_end, i_b, i_hk, HK, D, BS)
             b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
             b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
@@ -173,9 +181,7 @@ def fmsa_bwd_dkdv_kernel(
     r_begin = i_j * SEG
     r_end = tl.minimum(n_rows, r_begin + SEG)
     o_d = tl.arange(0, D)
-    o_k = tl.load(block_start + i_b) + tl.arange(0, BS)  # [BS]
-    m_k = o_k < tl.load(block_end + i_b)
-    p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]  # [BS, D]
+    o_k, m_k, p_kv = _block_keys(block_start, block_end, i_b, i_hk, HK, D, BS)
     b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)
     b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
     b_dk = tl.zeros([BS, D], dtype=tl.float32)
@@ -232,9 +238,7 @@ def fmsa_bwd_dkdv_reduce_kernel(
         return
     i_slot0 = (tl.load(slot_first + i_key) - tl.load(slot_first + (i_c * HK) * NB)).to(tl.int64)
     o_d = tl.arange(0, D)
-    o_k = tl.load(block_start + i_b).to(tl.int64) + tl.arange(0, BS)
-    m_k = o_k < tl.load(block_end + i_b)
-    p_kv = (o_k * HK + i_hk)[:, None] * D + o_d[None, :]
+    _, m_k, p_kv = _block_keys(block_start, block_end, i_b, i_hk, HK, D, BS)
     o_s = tl.arange(0, BS)[:, None] * D + o_d[None, :]
     b_dk = tl.load(dk + p_kv, mask=m_k[:, None], other=0.)
     b_dv = tl.load(dv + p_kv, mask=m_k[:, None], other=0.)

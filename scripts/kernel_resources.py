@@ -101,7 +101,7 @@ def cases():
         out.append((f"nsa_bwd_dq G={G}", nsa.nsa_bwd_dq_kernel, sig,
                     dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G)), (), nsa_opts))
         sig = dict(q=B, k=B, lse=F, cu=I, cu_cmp=I, tile_seq=I, tile_t0=I, out=I, scale2="fp32")
-        cfg = topk._launch(torch.device("cuda"), G)
+        cfg = topk._launch(torch.device("cuda"))
         shipped = cfg.get("tl_sort", False)
         for tl_sort in (shipped, not shipped):  # the shipped sort network, then the other
             out.append((f"select_blocks{' tl_sort' if tl_sort else ' own-sort'} G={G}", topk.select_blocks_kernel,

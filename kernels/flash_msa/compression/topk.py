@@ -214,7 +214,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     BC = NB * slc_block // stride
     G = HQ // HK
     GP = triton.next_power_of_2(G)
-    cfg = _launch(q.device, G)
+    cfg = _launch(q.device)
     cfg.update(LAUNCH_OVERRIDE)
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
@@ -233,8 +233,9 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
 LAUNCH_OVERRIDE: dict = {}
 
 
-def _launch(device, G: int) -> dict:
-    """Tokens per program, whether the G heads are stacked into one matmul, launch options."""
+def _launch(device) -> dict:
+    """Tokens per program, whether the G heads are stacked into one matmul, the sort network,
+    launch options; the same for every G (tune_h200_topk_sort.md measured G=4 and 5)."""
     if device.type != "cuda":
         # our network under the CPU interpreter: Triton's runs 7.7x slower there (181 against 24 s
         # for the top-k tests); tests/kernels/compression/test_topk.py checks that both pick the

@@ -26,6 +26,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _selected_block(k, v, b_start, b_idx, i_t, i_hk, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    # K and V rows [BS, D] of selected block b_idx of the sequence starting at b_start, keys after
+    # token i_t masked (to 0) and that mask; positions in int32 (< T), widened only for addresses
+    o_k = (b_start + b_idx * BS).to(tl.int32) + tl.arange(0, BS)  # [BS] absolute key positions
+    m_k = o_k <= i_t
+    p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + tl.arange(0, D)[None, :]
+    return tl.load(k + p_kv, mask=m_k[:, None], other=0.), tl.load(v + p_kv, mask=m_k[:, None], other=0.), m_k
+
+
+@triton.jit
 def nsa_fwd_kernel(
     q, k, v, o, lse, block_indices, tok_start, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
@@ -37,7 +47,6 @@ def nsa_fwd_kernel(
     o_g = tl.arange(0, BG)
     m_g = o_g < G
     o_d = tl.arange(0, D)
-    o_bs = tl.arange(0, BS)
     p_q = q + (i_t * HQ + i_hk * G + o_g)[:, None] * D + o_d[None, :]
     b_q = tl.load(p_q, mask=m_g[:, None], other=0.)  # [BG, D]
     b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
@@ -46,12 +55,7 @@ def nsa_fwd_kernel(
     for i_s in range(S):
         b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s)
         if (b_idx >= 0) & (b_idx <= own):
-            # int32 positions (< T), widened to int64 only for the addresses
-            o_k = (b_start + b_idx * BS).to(tl.int32) + o_bs  # [BS] absolute key positions
-            m_k = o_k <= i_t
-            p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]
-            b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
-            b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
+            b_k, b_v, m_k = _selected_block(k, v, b_start, b_idx, i_t, i_hk, HK, D, BS)  # [BS, D] x2, [BS]
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BG, BS]
             b_s = tl.where(m_k[None, :], b_s, float("-inf"))
             b_mn = tl.maximum(b_m, tl.max(b_s, 1))
@@ -79,7 +83,6 @@ def nsa_bwd_dq_kernel(
     o_g = tl.arange(0, BG)
     m_g = o_g < G
     o_d = tl.arange(0, D)
-    o_bs = tl.arange(0, BS)
     o_h = i_t * HQ + i_hk * G + o_g  # [BG] rows of q, do, lse, delta
     b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.)  # [BG, D]
     b_do = tl.load(do + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.)
@@ -89,11 +92,7 @@ def nsa_bwd_dq_kernel(
     for i_s in range(S):
         b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s)
         if (b_idx >= 0) & (b_idx <= own):
-            o_k = (b_start + b_idx * BS).to(tl.int32) + o_bs  # as in the forward
-            m_k = o_k <= i_t
-            p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]
-            b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)
-            b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
+            b_k, b_v, m_k = _selected_block(k, v, b_start, b_idx, i_t, i_hk, HK, D, BS)
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BG, BS]
             b_p = tl.where(m_k[None, :], tl.exp2(b_s - b_lse[:, None]), 0.)
             b_dp = tl.dot(b_do, tl.trans(b_v))  # [BG, BS]

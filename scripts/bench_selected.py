@@ -204,7 +204,9 @@ def profile(T, G, D, S, bs, device):
 
 def variants(T, G, D, S, bs, device):
     """fmsa forward and forward+backward under launch-setting and kernel variants (module globals
-    of fmsa), each checked against the first variant's outputs (o, dq, dk, dv) before timing."""
+    of fmsa; the key "call" holds keyword arguments of the call, such as the partition), each
+    checked against the first variant's outputs (o, dq, dk, dv) before timing, with the peak
+    memory it allocates on top of the inputs."""
     from flash_msa.selection import fmsa
     HK = 4 if G == 16 else 8
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
@@ -212,18 +214,23 @@ def variants(T, G, D, S, bs, device):
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
              "PARTIAL_BUDGET", "FWD_MAXNREG")
     base = {n: getattr(fmsa, n) for n in names}
-    fwd_variants = [{}, {"FWD_BM": 32, "FWD_WARPS": 2}, {"FWD_BM": 32, "FWD_WARPS": 4}, {"FWD_TILES": 4},
-                    {"FWD_STAGES": 3}]
-    bwd_variants = [{}, {"BWD_BM": 64, "BWD_WARPS": 4}]
-    run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5)
-    fb_fn = lambda: run().backward(do)
+    # partitions: all KV heads in 2048- and 4096-token chunks (the design before per-head
+    # partitions), then one KV head in chunks of 8K and 32K tokens
+    parts = [{"call": {"chunk_size": 2048, "heads": HK}}, {"call": {"chunk_size": 4096, "heads": HK}},
+             {"call": {"chunk_size": 8192, "heads": 1}}, {"call": {"chunk_size": 32768, "heads": 1}}]
+    fwd_variants = [{}, *parts, {"FWD_TILES": 4}, {"FWD_STAGES": 3}]
+    bwd_variants = [{}, *parts, {"BWD_BM": 64, "BWD_WARPS": 4}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:
             for n, x in base.items():
                 setattr(fmsa, n, x)
+            call = var.get("call", {})
             for n, x in var.items():
-                setattr(fmsa, n, x)
+                if n != "call":
+                    setattr(fmsa, n, x)
+            run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5, **call)
+            fb_fn = lambda: run().backward(do)
             try:
                 o = run()
                 got = (o, *torch.autograd.grad(o, (q, k, v), do))
@@ -233,11 +240,14 @@ def variants(T, G, D, S, bs, device):
                 del o, got
                 if kind == "fwd":
                     with torch.no_grad():
+                        mem = peak_extra(run, q.numel() * q.element_size())  # less the output
                         ms = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
                 else:
+                    mem = peak_extra(fb_fn, 2 * q.numel() * q.element_size() + 2 * k.numel() * k.element_size())  # o, dq, dk, dv
+                    q.grad = k.grad = v.grad = None
                     ms = triton.testing.do_bench(fb_fn, warmup=5, rep=20, grad_to_none=[q, k, v], return_mode="median")
-                print(f"variant T={T} G={G} {kind} {var or 'default'}: {ms:.2f} ms (max rel RMS vs first {err:.1e})",
-                      flush=True)
+                print(f"variant T={T} G={G} {kind} {var or 'default'}: {ms:.2f} ms, peak extra {mem:.0f} MiB "
+                      f"(max rel RMS vs first {err:.1e})", flush=True)
             except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
                 print(f"variant T={T} G={G} {kind} {var or 'default'}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
     for n, x in base.items():
@@ -245,13 +255,13 @@ def variants(T, G, D, S, bs, device):
     # CSR build alone (part of the forward)
     from flash_msa.utils.csr import build_selection_csr, prepare_block_meta, tile_schedule
     meta = prepare_block_meta(cu, T, bs)
-    Tc = fmsa.default_chunk_size(T, HK * G, S, D, 2)
+    Tc, heads = fmsa.default_partition(T, HK * G, HK, S, D, 2)
     ms = triton.testing.do_bench(lambda: build_selection_csr(bi[0], meta, Tc), warmup=5, rep=20, return_mode="median")
     csr = build_selection_csr(bi[0], meta, Tc)
     ms2 = triton.testing.do_bench(lambda: tile_schedule(csr, G, fmsa.FWD_BM), warmup=5, rep=20, return_mode="median")
     ms3 = triton.testing.do_bench(lambda: prepare_block_meta(cu, T, bs), warmup=5, rep=20, return_mode="median")
     print(f"T={T} G={G}: build_selection_csr {ms:.2f} ms, tile_schedule {ms2:.2f} ms, prepare_block_meta {ms3:.2f} ms, "
-          f"chunk {Tc}", flush=True)
+          f"chunk {Tc}, KV heads per partition {heads}", flush=True)
 
 
 def fmt(x, spec=".2f"):

@@ -68,7 +68,7 @@ def resources(compiled, num_warps: int) -> dict:
 
 def cases():
     """(name, kernel, signature, constexprs, 16-divisible ints, launch options) for the shipped
-    settings at T = 64K (T, Tk and the chunk's first entry are multiples of 16 there)."""
+    settings at T = 64K (T, Tk and the first token of a chunk are multiples of 16 there)."""
     from flash_msa.compression import topk
     from flash_msa.selection import fmsa, nsa
     from flash_msa.window import window as w
@@ -76,23 +76,25 @@ def cases():
     out = []
     for G in (4, 5):
         HQ = 8 * G
+        _, HKG = fmsa.default_partition(65536, HQ, 8, 16, 128, 2)
         sig = dict(q=B, k=B, v=B, po=B, plse=F, entry_ids=I, key_offsets=I, tile_key=I, tile_first=I,
-                   chunk_tiles=I, block_start=I, block_end=I, i_c="i32", c0_entry="i32", NB="i32", scale2="fp32")
+                   block_start=I, block_end=I, k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32")
         out.append((f"fmsa_fwd G={G}", fmsa.fmsa_fwd_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=fmsa.FWD_BM, NT=fmsa.FWD_TILES), ("c0_entry",),
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=fmsa.FWD_BM, NT=fmsa.FWD_TILES, HKG=HKG),
+                    ("c0",),
                     dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa.FWD_STAGES,
                          **({"maxnreg": fmsa.FWD_MAXNREG} if fmsa.FWD_MAXNREG else {}))))
-        sig = dict(po=B, plse=F, o=B, lse=F, block_indices=I, tok_start=I, c0="i64", T="i32")
+        sig = dict(po=B, plse=F, o=B, lse=F, block_indices=I, tok_start=I, c0="i64", hk0="i32", T="i32")
         out.append((f"fmsa_merge G={G}", fmsa.fmsa_merge_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16), ("T",),
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16, HKG=HKG), ("T",),
                     dict(num_warps=4)))
         sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dk=F, dv=F, dkp=F, dvp=F, dqp=B, entry_ids=I, key_offsets=I,
-                   seg_key=I, seg_first=I, chunk_segs=I, slot_first=I, block_start=I, block_end=I,
-                   i_c="i32", c0_entry="i32", NB="i32", scale2="fp32", scale="fp32")
+                   seg_key=I, seg_first=I, slot_first=I, block_start=I, block_end=I,
+                   k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32", scale="fp32")
         BM = fmsa._bwd_tile_rows(128, 64)
         out.append((f"fmsa_bwd_dkdv G={G}", fmsa.fmsa_bwd_dkdv_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=BM, SEG=fmsa.SEG_TILES * BM, WRITE_DQ=True),
-                    ("c0_entry",), dict(num_warps=fmsa.BWD_WARPS, num_stages=fmsa.BWD_STAGES)))
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=BM, SEG=fmsa.SEG_TILES * BM, WRITE_DQ=True,
+                         HKG=HKG), ("c0",), dict(num_warps=fmsa.BWD_WARPS, num_stages=fmsa.BWD_STAGES)))
         sig = dict(q=B, k=B, v=B, o=B, lse=F, block_indices=I, tok_start=I, scale2="fp32")
         nsa_opts = dict(num_warps=4, num_stages=nsa._stages(64, 128))
         out.append((f"nsa_fwd G={G}", nsa.nsa_fwd_kernel, sig,

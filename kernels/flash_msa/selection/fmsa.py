@@ -5,17 +5,22 @@ slot) entries by key = (query chunk, KV head, global KV block), on the GPU witho
 sync. The rows of a key are its (entry, head-in-group) pairs, row r -> entry r // G,
 head r % G, so tiles of BM rows are full for any group size G.
 
-Forward, per query chunk (docs/selected_attention.md says why chunks):
+Partitions: the partial buffers hold one partition of the entries at a time, a query chunk
+and either all KV heads (when the whole sequence fits the buffer) or one KV head
+(docs/selected_attention.md, Memory). Its keys are consecutive in the CSR.
+
+Forward, per partition:
   1. ``fmsa_fwd_kernel``: one program per FWD_TILES row tiles. Per tile it gathers the query
      rows, loads K/V of the block once, and writes the normalised partial output and its lse
-     to a compact buffer indexed by entry. Programs past the chunk's last tile exit at once.
+     to a compact buffer indexed by entry. Programs past the partition's last tile exit at once.
   2. ``fmsa_merge_kernel``: one program per (token, KV head) merges the partials of the
      token's valid slots in slot order: no atomics, deterministic.
-Backward: ``fmsa_bwd_preprocess_kernel`` (delta = rowsum(o * do)), then per query chunk:
+Backward: ``fmsa_bwd_preprocess_kernel`` (delta = rowsum(o * do)), then per partition:
   1. ``fmsa_bwd_dkdv_kernel``: one program per segment (at most SEG_TILES row tiles) of a key.
      It loads K/V once, accumulates dk/dv over its tiles in registers and writes the dq
      contribution of each row to a compact buffer. A key of one segment adds dk/dv to fp32
-     accumulators only it touches; a longer key (block 0) writes one slot per segment.
+     accumulators (of the partition's KV heads) only it touches; a longer key (block 0)
+     writes one slot per segment.
   2. ``fmsa_bwd_dkdv_reduce_kernel``: adds the slots of each split key in segment order.
   3. ``fmsa_bwd_dq_kernel``: one program per (token, KV head) sums the dq contributions in
      slot order.
@@ -38,11 +43,9 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
 MAX_S = 32
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Bytes of the per-chunk partial buffers (forward o + lse, backward dq), in the input dtype:
-# 384 MiB up to T = 64K, then 6 KiB per token, so extra memory stays linear in T and the
-# backward (dq partials + fp32 dk/dv accumulators + segment slots) stays under 1 GB at 64K
-# for HQ=32, S=16, D=128. At G=4 / 64K, 640 MiB (chunks of 4096 instead of 2048) measured
-# 10.7 ms forward against 11.5, but a 1.2 GB peak (docs/selected_attention.md).
+# Bytes of one partition's partial buffers (forward o + lse, backward dq), in the input dtype:
+# 384 MiB up to T = 64K, then 6 KiB per token, so extra memory stays linear in T
+# (docs/selected_attention.md, Memory).
 PARTIAL_BUDGET = 384 << 20
 PARTIAL_BUDGET_PER_TOKEN = 6 << 10
 # Backward segments: tiles of BM rows per program (longer keys are split, then reduced).
@@ -60,15 +63,28 @@ def _block_keys(block_start, block_end, i_b, i_hk, HK: tl.constexpr, D: tl.const
 
 
 @triton.jit
+def _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                  HKG: tl.constexpr):
+    # int32 rows of the partition's partial buffer, ordered (token, KV head of the partition,
+    # slot, head in group); the partition is tokens [c0, c0 + chunk) and KV heads [hk0, hk0 + HKG)
+    if HKG == HK:
+        o_p = (b_e - c0 * (HK * S)) * G + b_g
+    else:
+        o_p = (((b_t - c0) * HKG + (i_hk - hk0)) * S + b_e % S) * G + b_g
+    return o_p
+
+
+@triton.jit
 def fmsa_fwd_kernel(
-    q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first, chunk_tiles,
-    block_start, block_end, i_c, c0_entry, NB, scale2,
+    q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first,
+    block_start, block_end, k_lo, c0, hk0, NB, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr,
 ):
-    # NT consecutive row tiles per program; programs past the chunk's last tile do nothing
-    i_end = tl.load(chunk_tiles + i_c + 1)
-    i_tile0 = tl.load(chunk_tiles + i_c) + tl.program_id(0) * NT
+    # NT consecutive row tiles per program; programs past the partition's last tile do nothing.
+    # The partition's keys are [k_lo, k_lo + HKG * NB).
+    i_end = tl.load(tile_first + k_lo + HKG * NB)
+    i_tile0 = tl.load(tile_first + k_lo) + tl.program_id(0) * NT
     if i_tile0 >= i_end:
         return
     o_d = tl.arange(0, D)
@@ -103,19 +119,19 @@ def fmsa_fwd_kernel(
             b_p = tl.exp2(b_s - b_m[:, None])
             b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
             b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]  # [BM, D] normalised partial output
-            o_p = (b_e - c0_entry) * G + b_g  # [BM] rows of the chunk's partial buffer
+            o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)  # [BM]
             tl.store(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
             tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
 
 
 @triton.jit
 def fmsa_merge_kernel(
-    po, plse, o, lse, block_indices, tok_start, c0, T,
+    po, plse, o, lse, block_indices, tok_start, c0, hk0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr, HKG: tl.constexpr,
 ):
     i_t = c0 + tl.program_id(0).to(tl.int64)
-    i_hk = tl.program_id(1)
+    i_hk = hk0 + tl.program_id(1)
     if i_t >= T:
         return
     own = (i_t - tl.load(tok_start + i_t)) // BS
@@ -126,7 +142,7 @@ def fmsa_merge_kernel(
     o_s = tl.arange(0, BSS)
     b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + o_s, mask=o_s < S, other=-1)
     m_sv = (b_idx >= 0) & (b_idx <= own)
-    o_row = ((i_t - c0) * HK + i_hk) * S  # first partial entry of this (token, KV head)
+    o_row = ((i_t - c0) * HKG + tl.program_id(1)) * S  # first partial entry of this (token, KV head)
     m_sg = m_sv[:, None] & m_g[None, :]
     b_lse = tl.load(plse + (o_row + o_s)[:, None] * G + o_g[None, :], mask=m_sg, other=float("-inf"))
     b_m = tl.max(b_lse, 0)  # [BG]
@@ -162,15 +178,16 @@ def fmsa_bwd_preprocess_kernel(o, do, delta, N, D: tl.constexpr, BR: tl.constexp
 @triton.jit
 def fmsa_bwd_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, dkp, dvp, dqp, entry_ids, key_offsets,
-    seg_key, seg_first, chunk_segs, slot_first, block_start, block_end,
-    i_c, c0_entry, NB, scale2, scale,
+    seg_key, seg_first, slot_first, block_start, block_end,
+    k_lo, c0, hk0, NB, scale2, scale,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr, SEG: tl.constexpr, WRITE_DQ: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, SEG: tl.constexpr, WRITE_DQ: tl.constexpr, HKG: tl.constexpr,
 ):
     # one program per segment of at most SEG rows of one key, so that a block selected by
-    # every query (block 0) is spread over many programs instead of serialising the launch
-    i_seg = tl.load(chunk_segs + i_c) + tl.program_id(0)
-    if i_seg >= tl.load(chunk_segs + i_c + 1):
+    # every query (block 0) is spread over many programs instead of serialising the launch.
+    # The partition's keys are [k_lo, k_lo + HKG * NB); dk/dv hold its HKG KV heads.
+    i_seg = tl.load(seg_first + k_lo) + tl.program_id(0)
+    if i_seg >= tl.load(seg_first + k_lo + HKG * NB):
         return
     i_key = tl.load(seg_key + i_seg)
     i_hk = (i_key // NB) % HK
@@ -184,6 +201,7 @@ def fmsa_bwd_dkdv_kernel(
     o_k, m_k, p_kv = _block_keys(block_start, block_end, i_b, i_hk, HK, D, BS)
     b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)
     b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
+    _, _, p_acc = _block_keys(block_start, block_end, i_b, i_hk - hk0, HKG, D, BS)  # in dk / dv
     b_dk = tl.zeros([BS, D], dtype=tl.float32)
     b_dv = tl.zeros([BS, D], dtype=tl.float32)
     for i_r in range(r_begin, r_end, BM):
@@ -206,19 +224,19 @@ def fmsa_bwd_dkdv_kernel(
         b_dk += tl.dot(tl.trans(b_ds), b_q)
         if WRITE_DQ:
             b_dq = tl.dot(b_ds, b_k) * scale  # [BM, D]
-            o_p = (b_e - c0_entry) * G + b_g
+            o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)
             tl.store(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty),
                      mask=m_r[:, None])
     b_dk = b_dk * scale
     if n_rows <= SEG:
-        # the only program of this key in this chunk: add to the fp32 accumulators in chunk order
-        b_dk += tl.load(dk + p_kv, mask=m_k[:, None], other=0.)
-        b_dv += tl.load(dv + p_kv, mask=m_k[:, None], other=0.)
-        tl.store(dk + p_kv, b_dk, mask=m_k[:, None])
-        tl.store(dv + p_kv, b_dv, mask=m_k[:, None])
+        # the only program of this key in this partition: add to the fp32 accumulators in chunk order
+        b_dk += tl.load(dk + p_acc, mask=m_k[:, None], other=0.)
+        b_dv += tl.load(dv + p_acc, mask=m_k[:, None], other=0.)
+        tl.store(dk + p_acc, b_dk, mask=m_k[:, None])
+        tl.store(dv + p_acc, b_dv, mask=m_k[:, None])
     else:
         # one slot per segment; fmsa_bwd_dkdv_reduce_kernel sums them in segment order
-        i_slot = (tl.load(slot_first + i_key) - tl.load(slot_first + (i_c * HK) * NB) + i_j).to(tl.int64)
+        i_slot = (tl.load(slot_first + i_key) - tl.load(slot_first + k_lo) + i_j).to(tl.int64)
         o_s = i_slot * BS * D + tl.arange(0, BS)[:, None] * D + o_d[None, :]
         tl.store(dkp + o_s, b_dk)
         tl.store(dvp + o_s, b_dv)
@@ -226,44 +244,45 @@ def fmsa_bwd_dkdv_kernel(
 
 @triton.jit
 def fmsa_bwd_dkdv_reduce_kernel(
-    dk, dv, dkp, dvp, key_offsets, slot_first, block_start, block_end, i_c, NB, NBC,
-    HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SEG: tl.constexpr,
+    dk, dv, dkp, dvp, key_offsets, slot_first, block_start, block_end, k_lo, NB, NBC,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SEG: tl.constexpr, HKG: tl.constexpr,
 ):
+    # program (KV head of the partition, block); dk/dv hold the partition's HKG KV heads
     i_p = tl.program_id(0)
-    i_hk = i_p // NBC
+    i_h = i_p // NBC
     i_b = i_p % NBC
-    i_key = (i_c * HK + i_hk) * NB + i_b
+    i_key = k_lo + i_h * NB + i_b
     n_rows = (tl.load(key_offsets + i_key + 1) - tl.load(key_offsets + i_key)) * G
     if n_rows <= SEG:
         return
-    i_slot0 = (tl.load(slot_first + i_key) - tl.load(slot_first + (i_c * HK) * NB)).to(tl.int64)
+    i_slot0 = (tl.load(slot_first + i_key) - tl.load(slot_first + k_lo)).to(tl.int64)
     o_d = tl.arange(0, D)
-    _, m_k, p_kv = _block_keys(block_start, block_end, i_b, i_hk, HK, D, BS)
+    _, m_k, p_acc = _block_keys(block_start, block_end, i_b, i_h, HKG, D, BS)
     o_s = tl.arange(0, BS)[:, None] * D + o_d[None, :]
-    b_dk = tl.load(dk + p_kv, mask=m_k[:, None], other=0.)
-    b_dv = tl.load(dv + p_kv, mask=m_k[:, None], other=0.)
+    b_dk = tl.load(dk + p_acc, mask=m_k[:, None], other=0.)
+    b_dv = tl.load(dv + p_acc, mask=m_k[:, None], other=0.)
     for i_j in range(0, tl.cdiv(n_rows, SEG)):
         b_dk += tl.load(dkp + (i_slot0 + i_j) * BS * D + o_s)
         b_dv += tl.load(dvp + (i_slot0 + i_j) * BS * D + o_s)
-    tl.store(dk + p_kv, b_dk, mask=m_k[:, None])
-    tl.store(dv + p_kv, b_dv, mask=m_k[:, None])
+    tl.store(dk + p_acc, b_dk, mask=m_k[:, None])
+    tl.store(dv + p_acc, b_dv, mask=m_k[:, None])
 
 
 @triton.jit
 def fmsa_bwd_dq_kernel(
-    dqp, dq, block_indices, tok_start, c0, T,
+    dqp, dq, block_indices, tok_start, c0, hk0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BG: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr, HKG: tl.constexpr,
 ):
     i_t = c0 + tl.program_id(0).to(tl.int64)
-    i_hk = tl.program_id(1)
+    i_hk = hk0 + tl.program_id(1)
     if i_t >= T:
         return
     own = (i_t - tl.load(tok_start + i_t)) // BS
     o_g = tl.arange(0, BG)
     m_g = o_g < G
     o_d = tl.arange(0, D)
-    o_row = ((i_t - c0) * HK + i_hk) * S
+    o_row = ((i_t - c0) * HKG + tl.program_id(1)) * S
     b_dq = tl.zeros([BG, D], dtype=tl.float32)
     for i_s in tl.static_range(S):  # slot order: deterministic; loads independent of each other
         b_iv = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64))  # [BG], one value
@@ -317,117 +336,159 @@ def chunk_blocks(csr: SelectionCSR, i_c: int) -> int:
     return min(meta.num_blocks, (t_end - 1) // meta.block_size + meta.num_blocks - meta.T // meta.block_size + 1)
 
 
-def default_chunk_size(T: int, HQ: int, S: int, D: int, element_size: int = 2) -> int:
-    """Query tokens per chunk: the largest power of two whose partial buffers fit the budget.
+def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: int = 2) -> tuple[int, int]:
+    """(query tokens per chunk, KV heads per partition) for the partial buffers.
 
-    Partials (forward o, backward dq) are stored in the input dtype, plus an fp32 lse.
+    Partials (forward o, backward dq) are stored in the input dtype, plus an fp32 lse, and
+    one partition's must fit ``max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)`` bytes. When
+    the whole sequence fits with all KV heads, that is one partition. Otherwise a partition
+    is one KV head and the largest power-of-two chunk that fits: HK times longer chunks than
+    all heads would get, so keys gather more rows (fuller tiles) and dk/dv are read back and
+    rewritten once per chunk for fewer chunks (docs/selected_attention.md, Memory).
     """
-    per_token = HQ * S * (element_size * D + 4)
+    per_token = (HQ // HK) * S * (element_size * D + 4)  # one KV head's partial bytes per token
     budget = max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)
+    if T * HK * per_token <= budget:
+        return T, HK
     chunk = 1 << max(6, (budget // per_token).bit_length() - 1)
-    return min(chunk, triton.next_power_of_2(T))
+    return min(chunk, T), 1
 
 
-def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale):
-    """q [T, HQ, D], k/v [T, HK, D], block_indices [T, HK, S] -> o [T, HQ, D], lse fp32 [T, HQ] (log2)."""
+def partition_heads(T: int, HK: int, chunk_size: int, heads: Optional[int]) -> int:
+    """KV heads per partition: ``heads`` when given (HK or 1), else all when one chunk covers T."""
+    if heads is None:
+        return HK if chunk_size >= T else 1
+    if heads not in (1, HK):
+        raise ValueError(f"heads per partition must be 1 or HK={HK}, got {heads}")
+    return heads
+
+
+def _partitions(csr: SelectionCSR, HKG: int):
+    """(chunk index, first token, first KV head, first key) of each partition, head-major so
+    that a KV head's K/V stay in L2 across its chunks and its dk/dv accumulators are final
+    after its last chunk."""
+    HK, NB, Tc = csr.HK, csr.meta.num_blocks, csr.chunk_size
+    for hk0 in range(0, HK, HKG):
+        for i_c in range(csr.num_chunks):
+            yield i_c, i_c * Tc, hk0, (i_c * HK + hk0) * NB
+
+
+def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
+    """q [T, HQ, D], k/v [T, HK, D], block_indices [T, HK, S] -> o [T, HQ, D], lse fp32 [T, HQ] (log2).
+
+    Partitions of ``csr.chunk_size`` tokens and ``HKG`` KV heads (HK or 1) bound the partial buffers.
+    """
     T, HQ, D = q.shape
     HK, S = k.shape[1], block_indices.shape[-1]
     G = HQ // HK
     meta, Tc = csr.meta, csr.chunk_size
     BM = _fwd_tile_rows(D, meta.block_size)
-    tile_key, tile_first, chunk_tiles = tile_schedule(csr, G, BM)
+    tile_key, tile_first = tile_schedule(csr, G, BM)
     o = torch.empty_like(q)
     lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
-    rows = min(Tc, T) * HK * S * G
+    rows = min(Tc, T) * HKG * S * G
     po = torch.empty(rows, D, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
-    for i_c in range(csr.num_chunks):  # chunks of query tokens bound the partial buffers
-        c0 = i_c * Tc
-        entries = min(Tc, T - c0) * HK * S
-        # static bound on the chunk's tiles: each key adds at most one partial tile
-        tiles = (entries * G + BM - 1) // BM + min(entries, HK * chunk_blocks(csr, i_c))
+    for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
+        entries = min(Tc, T - c0) * HKG * S
+        # static bound on the partition's tiles: each key adds at most one partial tile
+        tiles = (entries * G + BM - 1) // BM + min(entries, HKG * chunk_blocks(csr, i_c))
         fmsa_fwd_kernel[(triton.cdiv(tiles, FWD_TILES),)](
-            q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first, chunk_tiles,
-            meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES,
+            q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
+            meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG,
             num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
             **({"maxnreg": FWD_MAXNREG} if FWD_MAXNREG and q.is_cuda else {}))
-        fmsa_merge_kernel[(min(Tc, T - c0), HK)](
-            po, plse, o, lse, block_indices, meta.tok_start, c0, T,
+        fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
+            po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-            BSS=triton.next_power_of_2(S))
+            BSS=triton.next_power_of_2(S), HKG=HKG)
     return o, lse
 
 
 def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial: Optional[torch.Tensor],
-                  block_indices: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None):
-    """dk, dv (dtype of k) by KV block. With ``dq_partial`` also dq (into ``dq``), chunk by chunk."""
+                  HKG: int, block_indices: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None):
+    """dk, dv (dtype of k) by KV block. With ``dq_partial`` also dq (into ``dq``), partition by partition."""
     T, HQ, D = q.shape
     HK, S = k.shape[1], csr.S
     G = HQ // HK
     meta, Tc = csr.meta, csr.chunk_size
-    BS = meta.block_size
+    BS, NB = meta.block_size, meta.num_blocks
     BM = _bwd_tile_rows(D, BS)
     SEG = SEG_TILES * BM
-    seg_key, seg_first, chunk_segs = tile_schedule(csr, G, SEG)
+    seg_key, seg_first = tile_schedule(csr, G, SEG)
     slot_first = multi_segment_slots(csr, G, SEG)
-    n_slots = 2 * min(Tc, T) * HK * S * G // SEG + 1  # a key of n > SEG rows has < 2n / SEG segments
+    n_slots = 2 * min(Tc, T) * HKG * S * G // SEG + 1  # a key of n > SEG rows has < 2n / SEG segments
     dkp = torch.empty(n_slots, BS, D, device=k.device, dtype=torch.float32)
     dvp = torch.empty_like(dkp)
-    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    # fp32 accumulators of one partition's KV heads, final after the heads' last chunk
+    dk_acc = torch.empty(T, HKG, D, device=k.device, dtype=torch.float32)
+    dv_acc = torch.empty_like(dk_acc)
+    dk = dv = None
+    if HKG < HK:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
     write_dq = dq_partial is not None
-    for i_c in range(csr.num_chunks):  # chunks of query tokens bound the dq partial buffer
-        c0 = i_c * Tc
+    for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
+        if i_c == 0:
+            dk_acc.zero_()
+            dv_acc.zero_()
         nbc = chunk_blocks(csr, i_c)
-        entries = min(Tc, T - c0) * HK * S
-        segs = (entries * G + SEG - 1) // SEG + min(entries, HK * nbc)
+        entries = min(Tc, T - c0) * HKG * S
+        segs = (entries * G + SEG - 1) // SEG + min(entries, HKG * nbc)
         fmsa_bwd_dkdv_kernel[(segs,)](
-            q, k, v, do, lse, delta, dk, dv, dkp, dvp, dq_partial if write_dq else dk,
-            csr.entry_ids, csr.key_offsets, seg_key, seg_first, chunk_segs, slot_first,
-            meta.block_start, meta.block_end, i_c, c0 * HK * S, meta.num_blocks, scale * LOG2E, scale,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq,
+            q, k, v, do, lse, delta, dk_acc, dv_acc, dkp, dvp, dq_partial if write_dq else dk_acc,
+            csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
+            meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
             num_warps=BWD_WARPS, num_stages=BWD_STAGES)
-        fmsa_bwd_dkdv_reduce_kernel[(HK * nbc,)](
-            dk, dv, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
-            i_c, meta.num_blocks, nbc, HK=HK, G=G, D=D, BS=BS, SEG=SEG, num_warps=8)
+        fmsa_bwd_dkdv_reduce_kernel[(HKG * nbc,)](
+            dk_acc, dv_acc, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
+            k_lo, NB, nbc, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, num_warps=8)
         if write_dq:
-            fmsa_bwd_dq_kernel[(min(Tc, T - c0), HK)](
-                dq_partial, dq, block_indices, meta.tok_start, c0, T,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G))
-    return dk.to(k.dtype), dv.to(v.dtype)
+            fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
+                dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
+                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG)
+        if HKG < HK and i_c == csr.num_chunks - 1:  # this KV head is done
+            dk[:, hk0].copy_(dk_acc[:, 0])
+            dv[:, hk0].copy_(dv_acc[:, 0])
+    if HKG == HK:
+        return dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return dk, dv
 
 
 class FMSASelectedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale, chunk_size):
+    def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale, chunk_size, heads):
         T, HQ, D = q.shape
+        HK, S = k.shape[1], block_indices.shape[-1]
         if chunk_size is None:
-            chunk_size = default_chunk_size(T, HQ, block_indices.shape[-1], D, q.element_size())
-        rows = min(chunk_size, T) * HQ * block_indices.shape[-1]
+            chunk_size, heads = default_partition(T, HQ, HK, S, D, q.element_size())
+        HKG = partition_heads(T, HK, chunk_size, heads)
+        rows = min(chunk_size, T) * HKG * (HQ // HK) * S
         if rows >= 2 ** 31:  # the kernels index partial rows in int32
-            raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per chunk (chunk * HQ * S); "
-                             "it must be < 2^31")
+            raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
+                             "(chunk * KV heads per partition * G * S); it must be < 2^31")
         meta = get_block_meta(cu_seqlens, T, block_size)
         csr = build_selection_csr(block_indices, meta, chunk_size)
-        o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale)
+        o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale, HKG)
         ctx.save_for_backward(q, k, v, o, lse, block_indices)
-        ctx.csr, ctx.scale = csr, scale
+        ctx.csr, ctx.scale, ctx.HKG = csr, scale, HKG
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, block_indices = ctx.saved_tensors
-        csr, scale = ctx.csr, ctx.scale
+        csr, scale, HKG = ctx.csr, ctx.scale, ctx.HKG
         T, HQ, D = q.shape
         do = do.contiguous()
         delta = attention_delta(o, do)  # [T, HQ]
         dq = torch.empty_like(q)
         # bf16/fp16 partials for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
-        dq_partial = torch.empty(min(csr.chunk_size, T) * HQ * csr.S, D, device=q.device, dtype=q.dtype)
-        dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, block_indices, dq)
-        return dq, dk, dv, None, None, None, None, None
+        rows = min(csr.chunk_size, T) * HKG * (HQ // k.shape[1]) * csr.S
+        dq_partial = torch.empty(rows, D, device=q.device, dtype=q.dtype)
+        dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, HKG, block_indices, dq)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def check_kernel_limits(q: torch.Tensor, block_indices: torch.Tensor) -> None:
@@ -444,10 +505,13 @@ def check_kernel_limits(q: torch.Tensor, block_indices: torch.Tensor) -> None:
 def fmsa_selected_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
     block_size: int, cu_seqlens: Optional[torch.Tensor], scale: float, chunk_size: Optional[int] = None,
+    heads: Optional[int] = None,
 ) -> torch.Tensor:
     """KV-block-centric selected attention on validated [B, T, H, D] inputs (see ``selected_attention``).
 
-    ``chunk_size`` (query tokens per chunk) defaults to :func:`default_chunk_size`.
+    ``chunk_size`` (query tokens per chunk) and ``heads`` (KV heads per partition, HK or 1)
+    default to :func:`default_partition`; with only ``chunk_size`` given, ``heads`` is HK when
+    one chunk covers the batch and 1 otherwise.
     Raises ValueError for shapes this kernel does not support (head dim, S, dtype).
     """
     check_kernel_limits(q, block_indices)
@@ -456,5 +520,5 @@ def fmsa_selected_attention(
     kf = k.contiguous().reshape(B * T, *k.shape[2:])
     vf = v.contiguous().reshape(B * T, *v.shape[2:])
     bi = block_indices.contiguous().reshape(B * T, *block_indices.shape[2:])
-    o = FMSASelectedAttentionFunction.apply(qf, kf, vf, bi, block_size, cu, scale, chunk_size)
+    o = FMSASelectedAttentionFunction.apply(qf, kf, vf, bi, block_size, cu, scale, chunk_size, heads)
     return o.view(B, T, HQ, D)

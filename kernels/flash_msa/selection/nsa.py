@@ -153,11 +153,11 @@ class NSASelectedAttentionFunction(torch.autograd.Function):
         do = do.contiguous()
         delta = _fmsa.attention_delta(o, do)  # [T, HQ]
         dq = nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale)
-        # dk, dv: KV-block-centric; query chunks bound the buffer of split keys' segments
+        # dk, dv: KV-block-centric; partitions bound the buffer of split keys' segments
         T, HQ, D = q.shape
-        chunk = _fmsa.default_chunk_size(T, HQ, block_indices.shape[-1], D, q.element_size())
+        chunk, heads = _fmsa.default_partition(T, HQ, k.shape[1], block_indices.shape[-1], D, q.element_size())
         csr = build_selection_csr(block_indices, meta, chunk)
-        dk, dv = _fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial=None)
+        dk, dv = _fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, None, heads)
         return dq, dk, dv, None, None, None, None
 
 

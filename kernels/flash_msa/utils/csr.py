@@ -130,31 +130,31 @@ def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size
                         entry_ids=order.to(torch.int32), key_offsets=key_offsets)
 
 
-def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row tiles of BM (entry, head-in-group) rows: row r of a key is entry r // G, head r % G.
 
     Returns:
         tile_key: int32 [bound]: the key of each tile (entries past the last tile are junk).
-        tile_first: int32 [num_keys]: index of the first tile of each key.
-        chunk_tiles: int32 [num_chunks + 1]: tiles of chunk c are [chunk_tiles[c], chunk_tiles[c+1]).
+        tile_first: int32 [num_keys + 1]: index of the first tile of each key, then the total.
+            Keys are numbered (chunk, KV head, block), so the tiles of any run of consecutive
+            keys, such as one chunk's keys of one KV head, are ``[tile_first[lo], tile_first[hi])``.
     """
-    HK, S, NB = csr.HK, csr.S, csr.meta.num_blocks
     counts = (csr.key_offsets[1:] - csr.key_offsets[:-1]).to(torch.int64)  # [num_keys]
     ntiles = (counts * G + BM - 1) // BM
     incl = ntiles.cumsum(0)
-    first = incl - ntiles
-    chunk_tiles = torch.cat([first.view(csr.num_chunks, HK * NB)[:, 0], incl[-1:]])
-    E = csr.meta.T * HK * S
-    bound = (E * G + BM - 1) // BM + min(E, csr.num_chunks * HK * NB)
+    first = torch.cat([incl - ntiles, incl[-1:]])
+    E = csr.meta.T * csr.HK * csr.S
+    bound = (E * G + BM - 1) // BM + min(E, csr.num_chunks * csr.keys_per_chunk)
     tile_key = torch.searchsorted(
         incl, torch.arange(bound, device=incl.device), right=True, out_int32=True)
-    return tile_key, first.to(torch.int32), chunk_tiles.to(torch.int32)
+    return tile_key, first.to(torch.int32)
 
 
 def multi_segment_slots(csr: SelectionCSR, G: int, R: int) -> torch.Tensor:
     """int32 [num_keys]: first buffer slot of each key split into more than one segment of R rows.
 
-    Keys of at most R rows get no slot. Slots of chunk c start at ``out[c * HK * num_blocks]``.
+    Keys of at most R rows get no slot. The slots of a run of consecutive keys starting at key
+    ``lo`` start at ``out[lo]``.
     """
     counts = (csr.key_offsets[1:] - csr.key_offsets[:-1]).to(torch.int64) * G
     nseg = (counts + R - 1) // R

@@ -96,5 +96,35 @@ def test_backward_is_deterministic(impl, device, monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("chunk,heads", [(32, 1), (32, 3), (None, None), (128, 1)],
+                         ids=["chunks-per-head", "chunks-all-heads", "default-one-partition", "one-chunk-per-head"])
+def test_fmsa_partitions(chunk, heads, device, monkeypatch):
+    """The partial buffers hold one partition (query chunk x KV heads) at a time: per KV head or
+    all heads, one or several chunks, with long keys split into segments; each matches the
+    reference, at HK=3 (not a power of two) and varlen."""
+    monkeypatch.setattr(fmsa, "SEG_TILES", 1)
+    monkeypatch.setattr(fmsa, "BWD_BM", 16)
+    c = make_case(100, 3, 2, 16, 3, 16, device, cu_seqlens=[0, 9, 70, 100], seed=3)
+    c.block_indices[..., 0] = torch.where(c.block_indices[..., 0] >= 0, c.block_indices[..., 0], 0)
+    c.block_indices[..., 1:] = torch.where(c.block_indices[..., 1:] == 0, -1, c.block_indices[..., 1:])
+    assert_matches_reference("fmsa", c, device, chunk_size=chunk, heads=heads)
+
+
+def test_default_partition(monkeypatch):
+    """One partition with all KV heads when the sequence fits the budget; otherwise one KV head
+    and the longest power-of-two chunk whose partials fit; other head counts are refused."""
+    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 1 << 20)
+    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
+    HQ, HK, S, D = 8, 2, 4, 64
+    per_token_head = (HQ // HK) * S * (2 * D + 4)
+    assert fmsa.default_partition(100, HQ, HK, S, D) == (100, HK)
+    chunk, heads = fmsa.default_partition(4096, HQ, HK, S, D)
+    assert heads == 1 and chunk & (chunk - 1) == 0
+    assert chunk * per_token_head <= 1 << 20 < 2 * chunk * per_token_head
+    assert fmsa.partition_heads(4096, HK, 256, None) == 1 and fmsa.partition_heads(200, HK, 256, None) == HK
+    with pytest.raises(ValueError, match="heads per partition must be 1 or HK=3"):
+        fmsa.partition_heads(100, 3, 32, 2)
+
+
 def test_seq_starts_helper():
     assert seq_starts(torch.tensor([0, 3, 5], dtype=torch.int32), 5).tolist() == [0, 0, 0, 3, 3]

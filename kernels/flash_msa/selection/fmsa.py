@@ -342,16 +342,22 @@ def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: in
     Partials (forward o, backward dq) are stored in the input dtype, plus an fp32 lse, and
     one partition's must fit ``max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)`` bytes. When
     the whole sequence fits with all KV heads, that is one partition. Otherwise a partition
-    is one KV head and the largest power-of-two chunk that fits: HK times longer chunks than
+    is one KV head and the largest power-of-two chunk that fits, HK times longer chunks than
     all heads would get, so keys gather more rows (fuller tiles) and dk/dv are read back and
-    rewritten once per chunk for fewer chunks (docs/selected_attention.md, Memory).
+    rewritten for fewer chunks (docs/selected_attention.md, Memory). Per-head partitions are
+    chosen only when they take no more partitions (launches) than all heads in shorter chunks:
+    at 8K tokens (8 per-head launches against 4) the whole-NSA benchmark measured selected
+    attention at 5.9 ms against 4.9, launch-bound (benchmarks/results/nsa_h200.md).
     """
     per_token = (HQ // HK) * S * (element_size * D + 4)  # one KV head's partial bytes per token
     budget = max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)
     if T * HK * per_token <= budget:
         return T, HK
-    chunk = 1 << max(6, (budget // per_token).bit_length() - 1)
-    return min(chunk, T), 1
+    pow2_floor = lambda n: 1 << max(6, n.bit_length() - 1)
+    chunk_all, chunk_one = pow2_floor(budget // (HK * per_token)), min(T, pow2_floor(budget // per_token))
+    if HK * -(-T // chunk_one) <= -(-T // chunk_all):
+        return chunk_one, 1
+    return chunk_all, HK
 
 
 def partition_heads(T: int, HK: int, chunk_size: int, heads: Optional[int]) -> int:

@@ -112,15 +112,18 @@ def test_fmsa_partitions(chunk, heads, device, monkeypatch):
 
 def test_default_partition(monkeypatch):
     """One partition with all KV heads when the sequence fits the budget; otherwise one KV head
-    and the longest power-of-two chunk whose partials fit; other head counts are refused."""
+    and the longest power-of-two chunk whose partials fit, unless that takes more partitions
+    than all heads in shorter chunks; other head counts are refused."""
     monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 1 << 20)
     monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
     HQ, HK, S, D = 8, 2, 4, 64
-    per_token_head = (HQ // HK) * S * (2 * D + 4)
+    per_token_head = (HQ // HK) * S * (2 * D + 4)  # 2112 bytes: 256 tokens of one head fit, 128 of two
     assert fmsa.default_partition(100, HQ, HK, S, D) == (100, HK)
     chunk, heads = fmsa.default_partition(4096, HQ, HK, S, D)
     assert heads == 1 and chunk & (chunk - 1) == 0
     assert chunk * per_token_head <= 1 << 20 < 2 * chunk * per_token_head
+    # 300 tokens: 3 partitions of 128 tokens with both heads, against 2 x 2 of 256 with one
+    assert fmsa.default_partition(300, HQ, HK, S, D) == (128, HK)
     assert fmsa.partition_heads(4096, HK, 256, None) == 1 and fmsa.partition_heads(200, HK, 256, None) == HK
     with pytest.raises(ValueError, match="heads per partition must be 1 or HK=3"):
         fmsa.partition_heads(100, 3, 32, 2)

@@ -49,7 +49,10 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PARTIAL_BUDGET = 384 << 20
 PARTIAL_BUDGET_PER_TOKEN = 6 << 10
 # Backward segments: tiles of BM rows per program (longer keys are split, then reduced).
-SEG_TILES = 16
+# With per-head partitions at 64K, fwd+bwd at G=4 / G=5: 16 tiles 29.0 / 33.8 ms, 32 tiles
+# 27.9 / 32.5, 64 tiles 27.4 / 32.0, 128 tiles 36.4 / 37.5 (block 0's key, selected by every
+# query, then has too few segments); benchmarks/results/selected_variants2_h200.log.
+SEG_TILES = 64
 
 
 @triton.jit

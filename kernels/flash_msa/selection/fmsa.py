@@ -6,8 +6,8 @@ sync. The rows of a key are its (entry, head-in-group) pairs, row r -> entry r /
 head r % G, so tiles of BM rows are full for any group size G.
 
 Partitions: the partial buffers hold one partition of the entries at a time, a query chunk
-and either all KV heads (when the whole sequence fits the buffer) or one KV head
-(docs/selected_attention.md, Memory). Its keys are consecutive in the CSR.
+and either all KV heads or one KV head (``default_partition``; docs/selected_attention.md,
+Memory). Its keys are consecutive in the CSR.
 
 Forward, per partition:
   1. ``fmsa_fwd_kernel``: one program per FWD_TILES row tiles. Per tile it gathers the query
@@ -339,7 +339,8 @@ def chunk_blocks(csr: SelectionCSR, i_c: int) -> int:
     return min(meta.num_blocks, (t_end - 1) // meta.block_size + meta.num_blocks - meta.T // meta.block_size + 1)
 
 
-def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: int = 2) -> tuple[int, int]:
+def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: int = 2,
+                      heads: Optional[int] = None) -> tuple[int, int]:
     """(query tokens per chunk, KV heads per partition) for the partial buffers.
 
     Partials (forward o, backward dq) are stored in the input dtype, plus an fp32 lse, and
@@ -347,28 +348,37 @@ def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: in
     the whole sequence fits with all KV heads, that is one partition. Otherwise a partition
     is one KV head and the largest power-of-two chunk that fits, HK times longer chunks than
     all heads would get, so keys gather more rows (fuller tiles) and dk/dv are read back and
-    rewritten for fewer chunks (docs/selected_attention.md, Memory). Per-head partitions are
-    chosen only when they take no more partitions (launches) than all heads in shorter chunks:
-    at 8K tokens (8 per-head launches against 4) the whole-NSA benchmark measured selected
-    attention at 5.9 ms against 4.9, launch-bound (benchmarks/results/nsa_h200.md).
+    rewritten for fewer chunks (docs/selected_attention.md, Memory). Short sequences, that all
+    heads would cover in fewer than HK chunks, keep all heads together: there per-head
+    partitions only add launches. At 8K tokens (4 chunks with all heads, or 8 per-head
+    partitions) the whole-NSA benchmark measured selected attention at 4.1 ms with all heads
+    (nsa_h200_short.md) against 5.9 ms per head (nsa_h200.md's 8K row).
+
+    ``heads`` (HK or 1) fixes the head count; the chunk is then the largest that fits.
     """
+    heads = _check_heads(HK, heads)
     per_token = (HQ // HK) * S * (element_size * D + 4)  # one KV head's partial bytes per token
     budget = max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)
-    if T * HK * per_token <= budget:
-        return T, HK
     pow2_floor = lambda n: 1 << max(6, n.bit_length() - 1)
-    chunk_all, chunk_one = pow2_floor(budget // (HK * per_token)), min(T, pow2_floor(budget // per_token))
-    if HK * -(-T // chunk_one) <= -(-T // chunk_all):
-        return chunk_one, 1
-    return chunk_all, HK
+    if heads is None:
+        if T * HK * per_token <= budget:
+            return T, HK
+        heads = 1 if -(-T // pow2_floor(budget // (HK * per_token))) >= HK else HK
+    if T * heads * per_token <= budget:
+        return T, heads
+    return min(T, pow2_floor(budget // (heads * per_token))), heads
+
+
+def _check_heads(HK: int, heads: Optional[int]) -> Optional[int]:
+    if heads is not None and heads not in (1, HK):
+        raise ValueError(f"heads per partition must be 1 or HK={HK}, got {heads}")
+    return heads
 
 
 def partition_heads(T: int, HK: int, chunk_size: int, heads: Optional[int]) -> int:
     """KV heads per partition: ``heads`` when given (HK or 1), else all when one chunk covers T."""
-    if heads is None:
+    if _check_heads(HK, heads) is None:
         return HK if chunk_size >= T else 1
-    if heads not in (1, HK):
-        raise ValueError(f"heads per partition must be 1 or HK={HK}, got {heads}")
     return heads
 
 
@@ -472,7 +482,7 @@ class FMSASelectedAttentionFunction(torch.autograd.Function):
         T, HQ, D = q.shape
         HK, S = k.shape[1], block_indices.shape[-1]
         if chunk_size is None:
-            chunk_size, heads = default_partition(T, HQ, HK, S, D, q.element_size())
+            chunk_size, heads = default_partition(T, HQ, HK, S, D, q.element_size(), heads)
         HKG = partition_heads(T, HK, chunk_size, heads)
         rows = min(chunk_size, T) * HKG * (HQ // HK) * S
         if rows >= 2 ** 31:  # the kernels index partial rows in int32
@@ -519,8 +529,9 @@ def fmsa_selected_attention(
     """KV-block-centric selected attention on validated [B, T, H, D] inputs (see ``selected_attention``).
 
     ``chunk_size`` (query tokens per chunk) and ``heads`` (KV heads per partition, HK or 1)
-    default to :func:`default_partition`; with only ``chunk_size`` given, ``heads`` is HK when
-    one chunk covers the batch and 1 otherwise.
+    default to :func:`default_partition`; with only ``heads`` given, the chunk is the largest
+    that fits the budget; with only ``chunk_size`` given, ``heads`` is HK when one chunk covers
+    the batch and 1 otherwise.
     Raises ValueError for shapes this kernel does not support (head dim, S, dtype).
     """
     check_kernel_limits(q, block_indices)

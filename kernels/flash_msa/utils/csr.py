@@ -43,7 +43,8 @@ class SelectionCSR:
     ``entry_ids[key_offsets[key]:key_offsets[key + 1]]`` are the entries of one key, in
     increasing token order. An entry id is ``(t * HK + hk) * S + s``. Memory is O(T * HK * S).
     Queries are split into chunks of ``chunk_size`` tokens so that the kernels can bound
-    their partial buffers by one chunk (docs/selected_attention.md).
+    their partial buffers by one partition: a chunk and one or all KV heads, whose keys are
+    consecutive (docs/selected_attention.md).
     """
 
     meta: BlockMeta

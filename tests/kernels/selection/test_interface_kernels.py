@@ -105,7 +105,8 @@ def test_block_meta_is_shared_until_cu_seqlens_changes():
 
 
 def test_chunk_with_too_many_partial_rows_is_refused():
-    """The kernels index a chunk's partial rows (chunk * HQ * S) in int32: a chunk_size that
+    """The kernels index a partition's partial rows (chunk * KV heads of the partition * G * S,
+    here all heads as the chunk covers T) in int32: a chunk_size that
     would overflow them raises before anything is allocated (meta tensors: no memory)."""
     T, HQ, HK, D, S = 1 << 21, 64, 4, 64, 32
     q = torch.empty(1, T, HQ, D, device="meta", dtype=torch.bfloat16)

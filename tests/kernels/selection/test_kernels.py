@@ -112,21 +112,44 @@ def test_fmsa_partitions(chunk, heads, device, monkeypatch):
 
 def test_default_partition(monkeypatch):
     """One partition with all KV heads when the sequence fits the budget; otherwise one KV head
-    and the longest power-of-two chunk whose partials fit, unless that takes more partitions
-    than all heads in shorter chunks; other head counts are refused."""
+    and the longest power-of-two chunk whose partials fit, unless all heads would take fewer
+    than HK chunks; a given head count gets the longest chunk that fits; others are refused."""
     monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 1 << 20)
     monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
-    HQ, HK, S, D = 8, 2, 4, 64
-    per_token_head = (HQ // HK) * S * (2 * D + 4)  # 2112 bytes: 256 tokens of one head fit, 128 of two
+    HQ, HK, S, D = 16, 4, 4, 64
+    per_token_head = (HQ // HK) * S * (2 * D + 4)  # 2112 bytes: 496 tokens of one head fit, 124 of four
     assert fmsa.default_partition(100, HQ, HK, S, D) == (100, HK)
     chunk, heads = fmsa.default_partition(4096, HQ, HK, S, D)
-    assert heads == 1 and chunk & (chunk - 1) == 0
+    assert (chunk, heads) == (256, 1)
     assert chunk * per_token_head <= 1 << 20 < 2 * chunk * per_token_head
-    # 300 tokens: 3 partitions of 128 tokens with both heads, against 2 x 2 of 256 with one
-    assert fmsa.default_partition(300, HQ, HK, S, D) == (128, HK)
+    # 150 tokens: all heads in 3 chunks of 64 (fewer than HK) rather than 4 per-head partitions
+    assert fmsa.default_partition(150, HQ, HK, S, D) == (64, HK)
+    assert fmsa.default_partition(4096, HQ, HK, S, D, heads=HK) == (64, HK)
+    assert fmsa.default_partition(150, HQ, HK, S, D, heads=1) == (150, 1)
     assert fmsa.partition_heads(4096, HK, 256, None) == 1 and fmsa.partition_heads(200, HK, 256, None) == HK
     with pytest.raises(ValueError, match="heads per partition must be 1 or HK=3"):
         fmsa.partition_heads(100, 3, 32, 2)
+    with pytest.raises(ValueError, match="heads per partition must be 1 or HK=4"):
+        fmsa.default_partition(100, HQ, HK, S, D, heads=2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_default_per_head_partitions(impl, device, monkeypatch):
+    """With a partial budget small enough that ``default_partition`` picks per-head partitions
+    in several chunks, both kernels (nsa's backward uses fmsa's dk/dv) match the reference and
+    a second backward is bitwise equal."""
+    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 4 << 10)
+    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
+    monkeypatch.setattr(fmsa, "SEG_TILES", 1)
+    monkeypatch.setattr(fmsa, "BWD_BM", 16)
+    T, HK, G, D, S = 96, 2, 2, 16, 3
+    c = make_case(T, HK, G, D, S, 16, device, cu_seqlens=[0, 40, 96], seed=5)
+    # one KV head, two chunks (chunks are at least 64 tokens)
+    assert fmsa.default_partition(T, HK * G, HK, S, D, c.q.element_size()) == (64, 1)
+    c.block_indices[..., 0] = torch.where(c.block_indices[..., 0] >= 0, c.block_indices[..., 0], 0)
+    first = assert_matches_reference(impl, c, device)
+    for a, b in zip(first, run(impl, c)):
+        assert torch.equal(a, b)
 
 
 def test_seq_starts_helper():

@@ -376,16 +376,23 @@ def _check_heads(HK: int, heads: Optional[int]) -> Optional[int]:
 
 
 def partition_heads(T: int, HK: int, chunk_size: int, heads: Optional[int]) -> int:
-    """KV heads per partition: ``heads`` when given (HK or 1), else all when one chunk covers T."""
+    """KV heads per partition for a given chunk: ``heads`` when given (HK or 1), else all when
+    one chunk covers T."""
     if _check_heads(HK, heads) is None:
         return HK if chunk_size >= T else 1
     return heads
 
 
+def partition_rows(T: int, chunk_size: int, HKG: int, G: int, S: int) -> int:
+    """Rows of one partition's partial buffers: (token, KV head of the partition, slot, head in group)."""
+    return min(chunk_size, T) * HKG * S * G
+
+
 def _partitions(csr: SelectionCSR, HKG: int):
     """(chunk index, first token, first KV head, first key) of each partition, head-major so
     that a KV head's K/V stay in L2 across its chunks and its dk/dv accumulators are final
-    after its last chunk."""
+    after its last chunk. One launch per partition, as many as all heads in HK times shorter
+    chunks would take (``default_partition``): the loop bounds buffer memory, not work."""
     HK, NB, Tc = csr.HK, csr.meta.num_blocks, csr.chunk_size
     for hk0 in range(0, HK, HKG):
         for i_c in range(csr.num_chunks):
@@ -405,7 +412,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
     tile_key, tile_first = tile_schedule(csr, G, BM)
     o = torch.empty_like(q)
     lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
-    rows = min(Tc, T) * HKG * S * G
+    rows = partition_rows(T, Tc, HKG, G, S)
     po = torch.empty(rows, D, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
@@ -437,15 +444,13 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
     SEG = SEG_TILES * BM
     seg_key, seg_first = tile_schedule(csr, G, SEG)
     slot_first = multi_segment_slots(csr, G, SEG)
-    n_slots = 2 * min(Tc, T) * HKG * S * G // SEG + 1  # a key of n > SEG rows has < 2n / SEG segments
+    n_slots = 2 * partition_rows(T, Tc, HKG, G, S) // SEG + 1  # a key of n > SEG rows has < 2n / SEG segments
     dkp = torch.empty(n_slots, BS, D, device=k.device, dtype=torch.float32)
     dvp = torch.empty_like(dkp)
     # fp32 accumulators of one partition's KV heads, final after the heads' last chunk
     dk_acc = torch.empty(T, HKG, D, device=k.device, dtype=torch.float32)
     dv_acc = torch.empty_like(dk_acc)
-    dk = dv = None
-    if HKG < HK:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     write_dq = dq_partial is not None
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         if i_c == 0:
@@ -467,11 +472,9 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
                 dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
                 HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG)
-        if HKG < HK and i_c == csr.num_chunks - 1:  # this KV head is done
-            dk[:, hk0].copy_(dk_acc[:, 0])
-            dv[:, hk0].copy_(dv_acc[:, 0])
-    if HKG == HK:
-        return dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        if i_c == csr.num_chunks - 1:  # these KV heads are done
+            dk[:, hk0:hk0 + HKG].copy_(dk_acc)
+            dv[:, hk0:hk0 + HKG].copy_(dv_acc)
     return dk, dv
 
 
@@ -482,9 +485,10 @@ class FMSASelectedAttentionFunction(torch.autograd.Function):
         T, HQ, D = q.shape
         HK, S = k.shape[1], block_indices.shape[-1]
         if chunk_size is None:
-            chunk_size, heads = default_partition(T, HQ, HK, S, D, q.element_size(), heads)
-        HKG = partition_heads(T, HK, chunk_size, heads)
-        rows = min(chunk_size, T) * HKG * (HQ // HK) * S
+            chunk_size, HKG = default_partition(T, HQ, HK, S, D, q.element_size(), heads)
+        else:
+            HKG = partition_heads(T, HK, chunk_size, heads)
+        rows = partition_rows(T, chunk_size, HKG, HQ // HK, S)
         if rows >= 2 ** 31:  # the kernels index partial rows in int32
             raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
                              "(chunk * KV heads per partition * G * S); it must be < 2^31")
@@ -504,7 +508,7 @@ class FMSASelectedAttentionFunction(torch.autograd.Function):
         delta = attention_delta(o, do)  # [T, HQ]
         dq = torch.empty_like(q)
         # bf16/fp16 partials for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
-        rows = min(csr.chunk_size, T) * HKG * (HQ // k.shape[1]) * csr.S
+        rows = partition_rows(T, csr.chunk_size, HKG, HQ // k.shape[1], csr.S)
         dq_partial = torch.empty(rows, D, device=q.device, dtype=q.dtype)
         dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, HKG, block_indices, dq)
         return dq, dk, dv, None, None, None, None, None, None

@@ -69,11 +69,27 @@ def resources(compiled, num_warps: int) -> dict:
 def cases():
     """(name, kernel, signature, constexprs, 16-divisible ints, launch options) for the shipped
     settings at T = 64K (T, Tk and the first token of a chunk are multiples of 16 there)."""
-    from flash_msa.compression import topk
+    from flash_msa.compression import compress, topk
     from flash_msa.selection import fmsa, nsa
     from flash_msa.window import window as w
     B, F, I = "*bf16", "*fp32", "*i32"
     out = []
+    # compression phi (per KV head, the same for every group size), with its MLP: l=32, d=16
+    tiles = compress._tiles(torch.device("cuda"))
+    L64, U8 = "*i64", "*u8"
+    for kern, fn, sig, const in (
+            ("fwd", compress.compress_fwd_kernel,
+             dict(x=B, w=B, bias=F, mpos=F, proj=B, out=B, hid=F, first_key=L64, valid=U8, Tc="i32"),
+             dict(H=8, D=128, BLOCK=32, BC=tiles["fwd"][0], MLP=True, IEEE=False)),
+            ("dx", compress.compress_bwd_dx_kernel,
+             dict(dh=B, do=B, w=B, dx=B, slot_tok=L64, slot_row=I, Ns="i32", T="i32"),
+             dict(H=8, D=128, BLOCK=32, STRIDE=16, BC=tiles["dx"][0], MLP=True, IEEE=False)),
+            ("prep", compress.compress_bwd_prep_kernel,
+             dict(do=B, hid=F, proj=B, valid=U8, dh=B, Tc="i32"), dict(H=8, D=128, BC=tiles["prep"][0], IEEE=False)),
+            ("dw", compress.compress_bwd_dw_kernel,
+             dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32"),
+             dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], IEEE=False))):
+        out.append((f"compress_{kern}", fn, sig, const, (), tiles[kern][1]))
     for G in (4, 5):
         HQ = 8 * G
         _, HKG = fmsa.default_partition(65536, HQ, 8, 16, 128, 2)

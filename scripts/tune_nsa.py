@@ -4,6 +4,8 @@ Times, side by side in one run, candidate tiles of
   * range attention (kernels/flash_msa/window/window.py) as compressed attention ("cmp": the
     packed compressed rows, long ranges) and as the sliding window ("window", w=512): the
     forward, and the backward (delta + dq + dk/dv) with one kernel's tiles changed at a time;
+  * compression phi (kernels/flash_msa/compression/compress.py): rows per program of its
+    forward, dx and dW kernels, forward + backward with the MLP;
   * the fused top-n selection (kernels/flash_msa/compression/topk.py): tokens per program,
     heads looped or stacked into one matmul, sort network (ours or tl.sort), warps and stages.
 Every candidate is checked against the shipped settings first (outputs within 2e-2 relative
@@ -119,6 +121,50 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
     topk.LAUNCH_OVERRIDE = {}
 
 
+COMPRESS_CANDIDATES = [None,  # the shipped tiles
+                       dict(fwd=(64, dict(num_warps=4, num_stages=2))),
+                       dict(fwd=(32, dict(num_warps=4, num_stages=2))),
+                       dict(fwd=(64, dict(num_warps=8, num_stages=3))),
+                       dict(prep=(32, dict(num_warps=4, num_stages=1))),
+                       dict(dx=(64, dict(num_warps=8, num_stages=2))),
+                       dict(dx=(64, dict(num_warps=4, num_stages=1))),
+                       dict(dx=(16, dict(num_warps=4, num_stages=2))),
+                       dict(dw=(32, dict(num_warps=4, num_stages=2))),
+                       dict(dw=(128, dict(num_warps=8, num_stages=2)))]
+
+
+def sweep_compress(k, wk, pos, proj, cu, args, emit):
+    """phi with its MLP, forward + backward of one of K/V: the Triton kernels' tiles, and the PyTorch
+    form shipped before them (scripts/compress_torch_baseline.py, while it exists). ``err``: the
+    largest relative RMS error of the output and the four gradients against the fp32 reference."""
+    from flash_msa import reference
+    from flash_msa.compression import compress
+    leaves = [x.detach().requires_grad_() for x in (k, wk, pos, proj)]
+    dout = torch.randn(k.shape[0] // STRIDE, *k.shape[1:], device=k.device, dtype=k.dtype)
+
+    def run(fn, xs):
+        out, _ = fn(xs[0], xs[1], xs[2], cu, L, STRIDE, proj=xs[3])
+        return (out, *torch.autograd.grad(out, xs, dout.to(out.dtype)))
+    ref = run(reference.compress_kv, [x.detach().float().requires_grad_() for x in leaves])
+    variants = [("shipped" if c is None else " ".join(f"{n}:BC={bc} w{o['num_warps']} s{o['num_stages']}"
+                                                       for n, (bc, o) in c.items()), c, compress.compress_kv)
+                for c in COMPRESS_CANDIDATES]
+    try:
+        import compress_torch_baseline
+        variants.append(("pytorch form (before)", None, compress_torch_baseline.compress_kv))
+    except ImportError:
+        pass
+    for name, cand, fn in variants:
+        compress.TILE_OVERRIDE = dict(cand or {})
+        try:
+            got = run(fn, leaves)
+            err = max(rel_rms(a.float(), b) for a, b in zip(got, ref))
+            emit(dict(op="compress", config=name, ms=bench(lambda: run(fn, leaves), args), err=err))
+        except Exception as e:
+            emit(dict(op="compress", config=name, ms=None, err=None, error=f"{type(e).__name__}: {str(e)[:160]}"))
+    compress.TILE_OVERRIDE = {}
+
+
 def profile_compress(k, wk, pos, proj, cu):
     """Kernel table of one compress_kv forward + backward (phi with its MLP), to see where it goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -205,7 +251,9 @@ def main():
             if "window" in ops:
                 sweep_range("window", q, k, v, do, window_ranges(cu, T, WINDOW), scale, args, emit)
             if "compress" in ops:
-                profile_compress(k, wk, pos, 0.02 * rnd(gen, HK, D, D), cu)
+                proj = 0.02 * rnd(gen, HK, D, D)
+                sweep_compress(k, wk, pos, proj, cu, args, emit)
+                profile_compress(k, wk, pos, proj, cu)
             if "topk" in ops:
                 _, lse = compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, L, STRIDE, scale)
                 sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit)

@@ -21,19 +21,19 @@ def test_per_batch_reuses_only_the_same_unmodified_tensor():
     assert torch.equal(per_batch(f, cu, 2), torch.tensor([0, 12, 18], dtype=torch.int32))
 
 
-def test_layers_share_compression_metadata():
-    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
-    x = torch.randn(100, 2, 16)
-    w, pos = torch.randn(2, 32 * 16, 16), torch.randn(2, 32, 16)
+def test_layers_share_compression_metadata(device):
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32, device=device)
+    x = torch.randn(100, 2, 16, device=device)
+    w, pos = torch.randn(2, 32 * 16, 16, device=device), torch.randn(2, 32, 16, device=device)
     _, cc1 = compress_kv(x, w, pos, cu, 32, 16)
     _, cc2 = compress_kv(x, w, pos, cu, 32, 16)
     assert cc1 is cc2  # so the compressed-attention ranges keyed on it are shared too
 
 
-def test_inference_tensors_are_computed_not_cached():
+def test_inference_tensors_are_computed_not_cached(device):
     with torch.inference_mode():
-        cu = torch.tensor([0, 40, 100], dtype=torch.int32)
-        x = torch.randn(100, 2, 16)
-        w, pos = torch.randn(2, 32 * 16, 16), torch.randn(2, 32, 16)
+        cu = torch.tensor([0, 40, 100], dtype=torch.int32, device=device)
+        x = torch.randn(100, 2, 16, device=device)
+        w, pos = torch.randn(2, 32 * 16, 16, device=device), torch.randn(2, 32, 16, device=device)
         out, cc = compress_kv(x, w, pos, cu, 32, 16)
         assert out.shape == (100 // 16, 2, 16) and cc.tolist() == [0, 1, 3]

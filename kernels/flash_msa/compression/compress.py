@@ -1,128 +1,283 @@
-"""Compression phi as one gather of stride chunks + one batched matmul, with a deterministic
-hand-written backward.
+"""Compression phi in Triton: one forward kernel and two backward kernels, all deterministic.
 
 phi (see :mod:`flash_msa.compression.naive`): compressed token i of a sequence is
-``W[h]^T · flatten_j(x[i*d + j, h] + pos[h, j])`` over its block of l keys (stride d). On a
-packed stream the T//d output rows are filled back to back per sequence (``cu_cmp``), rows
-past ``cu_cmp[-1]`` are 0, and everything is sized without a host sync.
+``W[h]^T · flatten_j(x[i*d + j, h] + pos[h, j])`` over its block of l keys (stride d), and with
+the second layer ``proj`` the model's form ``mean_j(x + pos) + proj[h]^T gelu(W[h]^T ...)``. On a
+packed stream the T//d output rows are filled back to back per sequence (``cu_cmp``), rows past
+``cu_cmp[-1]`` are 0, and everything is sized without a host sync.
 
-Why not gather the blocks: l = r*d, so a block is r consecutive stride chunks, and neighbouring
-blocks share r - 1 of them. Each chunk is gathered once (``slots``: a sequence with n blocks owns
-n + r - 1 consecutive slots), the r pieces of W are applied to every chunk in one bmm
-(``[H, slots, d*D] @ [H, d*D, r*Dout]``), and block i adds piece c of slot ``slot(i) + c``.
-The position encoding is a constant bias ``flatten(pos) @ W`` per head. That reads x once
-instead of twice and never builds the [H, Tc, l*D] blocks (with them: 4.1 ms of GPU time per
-call at 64K tokens, Llama3-8B heads, mostly elementwise passes and an accumulating scatter;
-benchmarks/results/tune_h200.log, from ``scripts/tune_nsa.py --ops compress``).
+Kernels (one program per tile of rows or slots and one KV head):
 
-Backward: dW and dx are one bmm each. Within a sequence the slots cover disjoint tokens, so dx
-is one scatter that writes every token at most once: no float atomics, bitwise deterministic.
+- ``compress_fwd_kernel``: per tile of compressed rows, ``sum_j x_j @ W_j`` over the block's l
+  offsets (x rows gathered straight from the packed stream, W_j = rows [j*D, (j+1)*D) of W[h]),
+  plus the position encoding as a constant bias ``flatten(pos) @ W`` (fp32, on the host side);
+  with ``proj`` the block mean and ``gelu(hidden) @ proj`` in the same program. The fp32 hidden
+  layer is kept for the backward.
+- ``compress_bwd_prep_kernel`` (with ``proj``): the hidden layer's gradient
+  ``dh = (dout @ proj^T) * gelu'(hidden)`` per tile of rows.
+- ``compress_bwd_dx_kernel``: per tile of stride chunks ("slots", see :func:`compression_slots`):
+  token ``i*d + j`` of a chunk gets ``dh(i - c) @ W[j + c*d]^T`` from the r = l/d blocks that
+  cover it (plus ``dout/l`` through the mean). Each token is written by exactly one program.
+- ``compress_bwd_dw_kernel``: per (offset j, head), ``dW_j = sum_i x_j(i)^T dh(i)`` over all rows
+  in row order; one more program per head sums ``dproj = gelu(hidden)^T dout``.
+
+The position encoding's share of dW and dpos, and of the forward, is a few [H, D]-sized
+products on the host side.
+
+Why hand-written: the PyTorch form (a gather of stride chunks, a batched matmul and index
+arithmetic, 20-odd elementwise and indexing kernels per call) took 5.4 ms of GPU time for K and V
+forward + backward at 64K tokens (benchmarks/results/nsa_h200.md), against well under 1 ms of
+bytes; these kernels read x once per block it belongs to and write every output once.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from flash_msa.utils.cache import per_batch
 from flash_msa.utils.varlen import compressed_rows
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+
+
+@triton.jit
+def compress_fwd_kernel(
+    x, w, bias, mpos, proj, out, hid, first_key, valid, Tc,
+    H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BC: tl.constexpr, MLP: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < Tc
+    m_v = m_c & (tl.load(valid + o_c, mask=m_c, other=0) != 0)  # [BC] rows that hold a block
+    b_k0 = tl.load(first_key + o_c, mask=m_v, other=0)  # [BC] int64 first token of each block
+    o_d = tl.arange(0, D)
+    p_w = w + i_h.to(tl.int64) * (BLOCK * D * D) + o_d[:, None] * D + o_d[None, :]  # W_0 of head i_h: [D, D]
+    b_h = tl.zeros([BC, D], dtype=tl.float32)
+    b_sum = tl.zeros([BC, D], dtype=tl.float32)
+    for j in range(BLOCK):
+        b_x = tl.load(x + ((b_k0 + j) * H + i_h)[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.)  # [BC, D]
+        b_w = tl.load(p_w + j * D * D).to(b_x.dtype)  # [D, D]
+        if IEEE:
+            b_h += tl.dot(b_x, b_w, input_precision="ieee")
+        else:
+            b_h += tl.dot(b_x, b_w)
+        if MLP:
+            b_sum += b_x.to(tl.float32)
+    b_h += tl.load(bias + i_h * D + o_d)[None, :]  # flatten(pos) @ W, fp32
+    o_out = (o_c.to(tl.int64) * H + i_h)[:, None] * D + o_d[None, :]
+    if MLP:
+        tl.store(hid + o_out, tl.where(m_v[:, None], b_h, 0.), mask=m_c[:, None])
+        b_g = 0.5 * b_h * (1. + tl.erf(b_h * _SQRT1_2))  # exact gelu
+        b_p = tl.load(proj + i_h.to(tl.int64) * D * D + o_d[:, None] * D + o_d[None, :]).to(x.dtype.element_ty)
+        if IEEE:
+            b_o = tl.dot(b_g.to(x.dtype.element_ty), b_p, input_precision="ieee")
+        else:
+            b_o = tl.dot(b_g.to(x.dtype.element_ty), b_p)
+        b_o += b_sum * (1. / BLOCK) + tl.load(mpos + i_h * D + o_d)[None, :]
+    else:
+        b_o = b_h
+    tl.store(out + o_out, tl.where(m_v[:, None], b_o, 0.).to(out.dtype.element_ty), mask=m_c[:, None])
+
+
+@triton.jit
+def compress_bwd_prep_kernel(
+    do, hid, proj, valid, dh, Tc,
+    H: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr,
+):
+    # the MLP's hidden-layer gradient: dh = (do @ proj^T) * gelu'(hid), 0 on rows without a block
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < Tc
+    m_v = m_c & (tl.load(valid + o_c, mask=m_c, other=0) != 0)
+    o_d = tl.arange(0, D)
+    o_x = (o_c.to(tl.int64) * H + i_h)[:, None] * D + o_d[None, :]
+    b_do = tl.load(do + o_x, mask=m_v[:, None], other=0.)  # [BC, D]
+    b_pt = tl.load(proj + i_h.to(tl.int64) * D * D + o_d[None, :] * D + o_d[:, None]).to(b_do.dtype)  # proj^T
+    if IEEE:
+        b_dg = tl.dot(b_do, b_pt, input_precision="ieee")
+    else:
+        b_dg = tl.dot(b_do, b_pt)
+    b_h = tl.load(hid + o_x, mask=m_v[:, None], other=0.)
+    b_gd = 0.5 * (1. + tl.erf(b_h * _SQRT1_2)) + b_h * tl.exp(-0.5 * b_h * b_h) * _INV_SQRT_2PI
+    tl.store(dh + o_x, (b_dg * b_gd).to(dh.dtype.element_ty), mask=m_c[:, None])
+
+
+@triton.jit
+def compress_bwd_dx_kernel(
+    dh, do, w, dx, slot_tok, slot_row, Ns, T,
+    H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr, BC: tl.constexpr,
+    MLP: tl.constexpr, IEEE: tl.constexpr,
+):
+    # slot s (a stride chunk of one sequence) holds tokens slot_tok[s] + [0, STRIDE); the block that
+    # starts c chunks earlier covers it at offset j + c*STRIDE, and slot_row[s - c] is its row (-1: none)
+    R: tl.constexpr = BLOCK // STRIDE
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    o_s = i_s * BC + tl.arange(0, BC)
+    m_s = o_s < Ns
+    b_t0 = tl.load(slot_tok + o_s, mask=m_s, other=T)  # [BC] int64, T for unused slots
+    m_t = b_t0 < T
+    o_d = tl.arange(0, D)
+    p_wt = w + i_h.to(tl.int64) * (BLOCK * D * D) + o_d[None, :] * D + o_d[:, None]  # W_0^T of head i_h: [D, D]
+    b_dm = tl.zeros([BC, D], dtype=tl.float32)
+    if MLP:  # the mean's gradient, the same for every token of the chunk
+        for c in tl.static_range(R):
+            b_r = tl.load(slot_row + o_s - c, mask=m_s & (o_s >= c), other=-1).to(tl.int64)
+            b_dm += tl.load(do + (b_r * H + i_h)[:, None] * D + o_d[None, :], mask=(b_r >= 0)[:, None],
+                            other=0.).to(tl.float32)
+        b_dm = b_dm * (1. / BLOCK)
+    for j in range(STRIDE):
+        b_dx = b_dm
+        for c in tl.static_range(R):
+            b_r = tl.load(slot_row + o_s - c, mask=m_s & (o_s >= c), other=-1).to(tl.int64)
+            b_dh = tl.load(dh + (b_r * H + i_h)[:, None] * D + o_d[None, :], mask=(b_r >= 0)[:, None], other=0.)
+            b_wt = tl.load(p_wt + (j + c * STRIDE) * D * D).to(b_dh.dtype)  # [D, D]
+            if IEEE:
+                b_dx += tl.dot(b_dh, b_wt, input_precision="ieee")
+            else:
+                b_dx += tl.dot(b_dh, b_wt)
+        tl.store(dx + ((b_t0 + j) * H + i_h)[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
+                 mask=m_t[:, None])
+
+
+@triton.jit
+def compress_bwd_dw_kernel(
+    x, dh, do, hid, dw, dproj, first_key, valid, Tc,
+    H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr,
+):
+    # program (j, head), j < BLOCK: dW_j = sum over rows i of x[first_key(i) + j]^T dh(i);
+    # j == BLOCK (with the MLP): dproj = sum_i gelu(hid(i))^T do(i). Rows in order: deterministic.
+    i_j, i_h = tl.program_id(0), tl.program_id(1)
+    o_d = tl.arange(0, D)
+    b_acc = tl.zeros([D, D], dtype=tl.float32)
+    for c0 in range(0, Tc, BC):
+        o_c = c0 + tl.arange(0, BC)
+        m_c = o_c < Tc
+        m_v = m_c & (tl.load(valid + o_c, mask=m_c, other=0) != 0)
+        o_r = (o_c.to(tl.int64) * H + i_h)[:, None] * D + o_d[None, :]
+        if i_j < BLOCK:
+            b_k0 = tl.load(first_key + o_c, mask=m_v, other=0)
+            b_a = tl.load(x + ((b_k0 + i_j) * H + i_h)[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.)
+            b_b = tl.load(dh + o_r, mask=m_v[:, None], other=0.)
+        else:
+            b_h = tl.load(hid + o_r, mask=m_v[:, None], other=0.).to(tl.float32)  # (fp32; typed for MLP=False too)
+            b_a = (0.5 * b_h * (1. + tl.erf(b_h * _SQRT1_2))).to(do.dtype.element_ty)
+            b_b = tl.load(do + o_r, mask=m_v[:, None], other=0.)
+        if IEEE:
+            b_acc += tl.dot(tl.trans(b_a), b_b, input_precision="ieee")
+        else:
+            b_acc += tl.dot(tl.trans(b_a), b_b)
+    o_dd = o_d[:, None] * D + o_d[None, :]
+    if i_j < BLOCK:
+        tl.store(dw + (i_h.to(tl.int64) * BLOCK + i_j) * D * D + o_dd, b_acc)
+    else:
+        tl.store(dproj + i_h.to(tl.int64) * D * D + o_dd, b_acc)
+
 
 def compression_slots(cu_seqlens: torch.Tensor, T: int, block: int, stride: int):
-    """Stride-chunk slots of the packed stream, on the device without a host sync.
+    """Rows and stride-chunk slots of the packed stream, on the device without a host sync.
 
-    Returns (cu_cmp int32 [N+1]; token index int64 [Ns, stride] of every slot's chunk, T for
-    slots that no block uses; row_slot int64 [Tc], the first slot of each compressed row, 0 for
-    unused rows; valid bool [Tc]), with Ns = T//stride + N*(r - 1) and r = block // stride.
+    Returns (cu_cmp int32 [N+1]; first_key int64 [Tc], the first token of each row's block, 0 for
+    unused rows; valid bool [Tc]; slot_tok int64 [Ns], the first token of every slot's chunk, T
+    for unused slots; slot_row int32 [Ns], the row of the block that starts at the slot, -1 for
+    none), with Tc = T//stride, Ns = Tc + N*(r - 1) and r = block // stride. A sequence with n
+    blocks owns n + r - 1 consecutive slots (its chunks up to the end of its last block); block
+    i starts at its slot i, so the r - 1 slots before a sequence's first never start a block.
     """
     r = block // stride
-    cu_cmp, _, valid = compressed_rows(cu_seqlens, T, block, stride)
+    cu_cmp, first_key, valid = compressed_rows(cu_seqlens, T, block, stride)
     cu, cc = cu_seqlens.to(torch.int64), cu_cmp.to(torch.int64)
     N = cu.numel() - 1
     dev = cu.device
     slot_cum = cc + torch.arange(N + 1, device=dev) * (r - 1)  # slots of sequence s start at slot_cum[s]
-    Tc = T // stride
-    slots = torch.arange(Tc + N * (r - 1), device=dev)
+    slots = torch.arange(T // stride + N * (r - 1), device=dev)
     seq = torch.searchsorted(slot_cum[1:], slots, right=True).clamp_max(N - 1)
     j = slots - slot_cum[seq]
     n_blocks = cc[seq + 1] - cc[seq]
     used = (n_blocks > 0) & (j < n_blocks + r - 1) & (slots < slot_cum[-1])
-    tok = cu[seq, None] + j[:, None] * stride + torch.arange(stride, device=dev)  # [Ns, stride]
-    tok = torch.where(used[:, None], tok, torch.full_like(tok, T))
-    rows = torch.arange(Tc, device=dev)
-    row_seq = torch.searchsorted(cc[1:], rows, right=True).clamp_max(N - 1)
-    row_slot = torch.where(valid, rows + row_seq * (r - 1), torch.zeros_like(rows))
-    return cu_cmp, tok, row_slot, valid
+    slot_tok = torch.where(used, cu[seq] + j * stride, torch.full_like(j, T))
+    slot_row = torch.where(used & (j < n_blocks), cc[seq] + j, torch.full_like(j, -1))
+    return cu_cmp, first_key, valid, slot_tok, slot_row.to(torch.int32)
 
 
-def _stack_weight(weight: torch.Tensor, r: int) -> torch.Tensor:
-    """[H, r*d*D, Dout] -> [H, d*D, r*Dout]: the r pieces of W side by side."""
-    H, K, Dout = weight.shape
-    return weight.view(H, r, K // r, Dout).permute(0, 2, 1, 3).reshape(H, K // r, r * Dout)
+# Launch tiles {"fwd" | "prep" | "dx" | "dw": (rows per program, launch options)}; entries replace the
+# defaults of _tiles (tests and scripts/tune_nsa.py set them).
+TILE_OVERRIDE: dict = {}
 
 
-def _piece_index(row_slot: torch.Tensor, r: int) -> torch.Tensor:
-    """[Tc, r]: row (slot(i) + c)*r + c of the [slots*r, Dout] matmul output, piece c of block i."""
-    c = torch.arange(r, device=row_slot.device)
-    return (row_slot[:, None] + c) * r + c
-
-
-def _gather_chunks(x: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-    """[H, Ns, d*D]: the stride chunk of every slot. Unused slots (token T) read token T - 1
-    instead: no valid row uses their products, and no padded copy of x is made."""
-    T, H, D = x.shape
-    return x[tok.clamp_max(T - 1)].permute(2, 0, 1, 3).reshape(H, tok.shape[0], -1)
+def _tiles(device) -> dict:
+    if device.type != "cuda":
+        cfg = dict(fwd=(16, {}), prep=(16, {}), dx=(16, {}), dw=(16, {}))
+    else:
+        # without spills on sm_90 (scripts/kernel_resources.py): forward 169 registers, dx 136, dW 104
+        cfg = dict(fwd=(64, dict(num_warps=8, num_stages=2)), prep=(64, dict(num_warps=4, num_stages=1)),
+                   dx=(32, dict(num_warps=4, num_stages=2)), dw=(64, dict(num_warps=8, num_stages=2)))
+    cfg.update(TILE_OVERRIDE)
+    return cfg
 
 
 class CompressFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, weight, pos, tok, row_slot, valid, block, stride):
+    def forward(ctx, x, weight, pos, proj, first_key, valid, slot_tok, slot_row, block, stride):
         T, H, D = x.shape
-        r = block // stride
-        w = weight.to(x.dtype)
-        Dout = w.shape[-1]
-        chunks = _gather_chunks(x, tok)  # [H, Ns, d*D]
-        y = torch.bmm(chunks, _stack_weight(w, r)).view(H, -1, Dout)  # [H, Ns*r, Dout]
-        bias = torch.bmm(pos.to(x.dtype).reshape(H, 1, block * D), w)  # [H, 1, Dout]
-        out = y[:, _piece_index(row_slot, r)].sum(2) + bias  # [H, Tc, Dout]
-        out = out.transpose(0, 1) * valid[:, None, None].to(out.dtype)
-        ctx.save_for_backward(x, weight, pos, tok, row_slot, valid)
-        ctx.block, ctx.stride = block, stride
-        return out.contiguous()
+        Tc = first_key.numel()
+        mlp = proj is not None
+        cfg = _tiles(x.device)
+        ieee = x.dtype == torch.float32
+        w32 = weight.float()
+        bias = torch.bmm(pos.float().reshape(H, 1, block * D), w32).view(H, D)  # flatten(pos) @ W, fp32
+        mpos = pos.float().mean(1)  # [H, D]
+        out = torch.empty(Tc, H, D, device=x.device, dtype=x.dtype)
+        hid = torch.empty(Tc, H, D, device=x.device, dtype=torch.float32) if mlp else out
+        BC, opts = cfg["fwd"]
+        compress_fwd_kernel[(triton.cdiv(Tc, BC), H)](
+            x, weight, bias, mpos, proj if mlp else weight, out, hid, first_key, valid, Tc,
+            H=H, D=D, BLOCK=block, BC=BC, MLP=mlp, IEEE=ieee, **opts)
+        ctx.save_for_backward(x, weight, pos, proj, hid if mlp else None, first_key, valid, slot_tok, slot_row)
+        ctx.block, ctx.stride, ctx.mlp = block, stride, mlp
+        return out
 
     @staticmethod
     def backward(ctx, do):
-        x, weight, pos, tok, row_slot, valid = ctx.saved_tensors
-        block, stride = ctx.block, ctx.stride
+        x, weight, pos, proj, hid, first_key, valid, slot_tok, slot_row = ctx.saved_tensors
+        block, stride, mlp = ctx.block, ctx.stride, ctx.mlp
         T, H, D = x.shape
-        r = block // stride
-        w = weight.to(x.dtype)
-        Dout = w.shape[-1]
-        Ns = tok.shape[0]
-        do = (do * valid[:, None, None].to(do.dtype)).transpose(0, 1).to(x.dtype)  # [H, Tc, Dout]
-        # dy: piece c of slot(i) + c receives block i's gradient; (slot, piece) pairs of the valid
-        # rows are distinct, unused rows go to a dummy slot Ns
-        idx = torch.where(valid[:, None], _piece_index(row_slot, r), torch.full_like(row_slot[:, None], Ns * r))
-        dy = x.new_zeros(H, (Ns + 1) * r, Dout)
-        dy[:, idx.reshape(-1)] = do[:, :, None, :].expand(-1, -1, r, -1).reshape(H, -1, Dout)
-        dy = dy[:, :Ns * r].reshape(H, Ns, r * Dout)
-        chunks = _gather_chunks(x, tok)  # [H, Ns, d*D], recomputed
-        dw = torch.bmm(chunks.transpose(1, 2), dy)  # [H, d*D, r*Dout]
-        dw = dw.view(H, stride * D, r, Dout).permute(0, 2, 1, 3).reshape(H, block * D, Dout).float()
-        dbias = do.float().sum(1)  # [H, Dout]
-        pos_flat = pos.float().reshape(H, block * D)
-        dw += pos_flat[:, :, None] * dbias[:, None, :]
-        dpos = torch.bmm(w.float(), dbias[:, :, None]).view(H, block, D)
-        dchunks = torch.bmm(dy, _stack_weight(w, r).transpose(1, 2))  # [H, Ns, d*D]
-        dx = x.new_zeros(T + 1, H, D)
-        dx[tok.reshape(-1)] = dchunks.view(H, -1, D).transpose(0, 1)  # every token written at most once
-        return dx[:T], dw.to(weight.dtype), dpos.to(pos.dtype), None, None, None, None, None
-
-
-def _mean_pool_weight(H: int, D: int, block: int, like: torch.Tensor) -> torch.Tensor:
-    """[H, block*D, D]: the linear map that averages a block's l rows."""
-    eye = torch.eye(D, device=like.device, dtype=like.dtype) / block
-    return eye.repeat(block, 1).expand(H, -1, -1)
+        Tc = first_key.numel()
+        cfg = _tiles(x.device)
+        ieee = x.dtype == torch.float32
+        do = do.to(x.dtype).contiguous()  # [Tc, H, D]; rows without a block are never read
+        if mlp:
+            dh = torch.empty_like(do)
+            BC, opts = cfg["prep"]
+            compress_bwd_prep_kernel[(triton.cdiv(Tc, BC), H)](do, hid, proj, valid, dh, Tc, H=H, D=D, BC=BC,
+                                                               IEEE=ieee, **opts)
+        else:
+            dh = do
+        dx = torch.zeros(T, H, D, device=x.device, dtype=x.dtype)  # tokens in no block keep 0
+        BC, opts = cfg["dx"]
+        Ns = slot_tok.numel()
+        compress_bwd_dx_kernel[(triton.cdiv(Ns, BC), H)](
+            dh, do, weight, dx, slot_tok, slot_row, Ns, T,
+            H=H, D=D, BLOCK=block, STRIDE=stride, BC=BC, MLP=mlp, IEEE=ieee, **opts)
+        dw = torch.empty(H, block * D, D, device=x.device, dtype=torch.float32)
+        dproj = torch.empty(H, D, D, device=x.device, dtype=torch.float32) if mlp else dw
+        BC, opts = cfg["dw"]
+        compress_bwd_dw_kernel[(block + mlp, H)](x, dh, do, hid if mlp else dh, dw, dproj, first_key, valid, Tc,
+                                                 H=H, D=D, BLOCK=block, BC=BC, IEEE=ieee, **opts)
+        # the position encoding: X_j = x_j + pos_j, so dW_j gains pos_j^T sum_i dh(i) and
+        # dpos_j = (sum_i dh(i)) W_j^T (+ sum_i dout(i) / l through the mean); sums over rows with a block
+        m = valid[:, None, None]
+        dh_sum = torch.where(m, dh, 0).sum(0, dtype=torch.float32)  # [H, D]
+        dw = dw.view(H, block, D, D) + pos.float()[..., None] * dh_sum[:, None, None, :]
+        dpos = torch.einsum("he,hjde->hjd", dh_sum, weight.float().view(H, block, D, D))
+        if mlp:
+            dpos = dpos + torch.where(m, do, 0).sum(0, dtype=torch.float32)[:, None, :] / block
+        return (dx, dw.view(H, block * D, D).to(weight.dtype), dpos.to(pos.dtype),
+                dproj.to(proj.dtype) if mlp else None, None, None, None, None, None, None)
 
 
 def compress_kv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -130,30 +285,28 @@ def compress_kv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, cu_seq
     """phi over every block of a packed stream (the contract of flash_msa.reference.compress_kv).
 
     Args:
-        x: [T, H, D] keys or values (after RoPE for keys).
+        x: [T, H, D] keys or values (after RoPE for keys), fp16, bf16 or fp32 (other dtypes run
+            the PyTorch reference); D a power of two, at least 16.
         weight: [H, block*D, D]; pos: [H, block, D]; proj: optional [H, D, D], the second layer
             of phi on top of mean pooling (compression/naive.py).
         cu_seqlens: int32 [N+1]; block, stride: l and d, l a multiple of d.
 
     Returns:
         (x_cmp [T//stride, H, D] in x's dtype, zero past cu_cmp[-1]; cu_cmp int32 [N+1]).
-        Differentiable in x, weight, pos and proj.
+        Differentiable in x, weight, pos and proj; the backward is deterministic.
     """
     if block % stride != 0:
         raise ValueError(f"block ({block}) must be a multiple of stride ({stride})")
-    T = x.shape[0]
-    cu_cmp, tok, row_slot, valid = per_batch(compression_slots, cu_seqlens, T, block, stride)  # shared by the layers
+    T, H, D = x.shape
+    if x.dtype not in KERNEL_DTYPES or D < 16 or D & (D - 1):
+        from flash_msa import reference
+        return reference.compress_kv(x, weight, pos, cu_seqlens, block, stride, proj=proj)
+    cu_cmp, first_key, valid, slot_tok, slot_row = per_batch(compression_slots, cu_seqlens, T, block, stride)
     if valid.numel() == 0:
         extra = 0 if proj is None else proj.sum()
         out = x[:0] + 0 * (weight.sum() + pos.sum() + extra)  # [0, H, D], keeps every input in the graph
         return out, cu_cmp
-    if proj is None:
-        return CompressFunction.apply(x.contiguous(), weight, pos, tok, row_slot, valid, block, stride), cu_cmp
-    # One gathered-block matmul yields both the MLP's hidden layer and the block mean:
-    # [W | mean-pooling], so the blocks are read once.
-    H, D = x.shape[1], x.shape[2]
-    w_cat = torch.cat([weight, _mean_pool_weight(H, D, block, weight)], dim=-1)  # [H, l*D, 2D]
-    both = CompressFunction.apply(x.contiguous(), w_cat, pos, tok, row_slot, valid, block, stride)  # [Tc, H, 2D]
-    hidden, mean = both[..., :D], both[..., D:]
-    out = mean + torch.bmm(F.gelu(hidden.float()).to(x.dtype).transpose(0, 1), proj.to(x.dtype)).transpose(0, 1)
+    args = [a.contiguous() for a in (x, weight, pos)]
+    out = CompressFunction.apply(*args, None if proj is None else proj.contiguous(),
+                                 first_key, valid, slot_tok, slot_row, block, stride)
     return out, cu_cmp

@@ -1,4 +1,4 @@
-"""Compression phi (gather + bmm, deterministic backward) against flash_msa.reference, and RoPE."""
+"""Compression phi (Triton kernels, deterministic backward) against flash_msa.reference, and RoPE."""
 import pytest
 import torch
 
@@ -12,6 +12,8 @@ CASES = {
     "varlen": [0, 7, 40, 41, 150],
     "shorter-than-block": [0, 20, 31, 63],
     "T-below-stride": [0, 9],
+    # 37 rows and 43 slots at d=16: several row and slot tiles (16 per program on CPU)
+    "many-seqs": [0, 33, 200, 215, 400, 531, 600],
 }
 
 
@@ -20,7 +22,7 @@ def _dtype(device):
 
 
 def _tol(device):
-    return 1e-4 if device == "cpu" else 1e-2
+    return 1e-4 if device == "cpu" else 5e-3
 
 
 def _params(HK, D, l, device, dtype):
@@ -30,7 +32,7 @@ def _params(HK, D, l, device, dtype):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("l,d", [(32, 16), (16, 8)], ids=["l32d16", "l16d8"])
+@pytest.mark.parametrize("l,d", [(32, 16), (16, 8), (32, 8), (16, 16)], ids=["l32d16", "l16d8", "l32d8", "l16d16"])
 def test_compress_matches_reference(case, l, d, device):
     dtype = _dtype(device)
     cu = torch.tensor(CASES[case], dtype=torch.int32, device=device)
@@ -51,12 +53,13 @@ def test_compress_matches_reference(case, l, d, device):
         assert_close(name, g, r, _tol(device))
 
 
-@pytest.mark.parametrize("case", ["varlen", "shorter-than-block"])
-def test_compress_mlp_matches_reference(case, device):
+@pytest.mark.parametrize("case,l,d,D", [("varlen", 32, 16, 16), ("shorter-than-block", 32, 16, 16),
+                                       ("many-seqs", 32, 16, 32), ("many-seqs", 64, 16, 16), ("varlen", 16, 4, 16)])
+def test_compress_mlp_matches_reference(case, l, d, D, device):
     """phi with its second layer (the model's configuration): mean pooling + proj^T gelu(W^T X)."""
     dtype = _dtype(device)
     cu = torch.tensor(CASES[case], dtype=torch.int32, device=device)
-    T, HK, D, l, d = CASES[case][-1], 2, 16, 32, 16
+    T, HK = CASES[case][-1], 2
     x = torch.randn(T, HK, D, device=device, dtype=dtype, requires_grad=True)
     w, pos = _params(HK, D, l, device, dtype)
     proj = (torch.randn(HK, D, D, device=device) / D ** 0.5).to(dtype).requires_grad_()

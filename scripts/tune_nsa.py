@@ -43,8 +43,10 @@ RANGE_CANDIDATES = {
             cfg(128, 32, 4, 3), cfg(64, 128, 4, 2)],
     "dq": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 3), cfg(128, 64, 8, 2), cfg(128, 32, 8, 2), cfg(64, 32, 4, 3),
            cfg(128, 64, 8, 3), cfg(128, 128, 8, 2)],
-    "dkdv": [cfg(64, 64, 4, 2), cfg(64, 128, 8, 2), cfg(32, 128, 4, 3), cfg(32, 128, 8, 2), cfg(64, 128, 8, 3),
-             cfg(128, 64, 8, 2), cfg(32, 64, 4, 3), cfg(64, 64, 8, 3)],
+    # 2026-11-30: 8 warps at 2 stages, and 32-key tiles (half the fp32 dk/dv accumulators of the
+    # shipped 64-key tile, which runs at 255 registers with spills)
+    "dkdv": [cfg(64, 64, 4, 2), cfg(64, 64, 8, 2), cfg(64, 32, 4, 2), cfg(64, 32, 4, 3), cfg(128, 32, 8, 2),
+             cfg(32, 32, 4, 3), cfg(128, 32, 4, 2)],
 }
 TOPK_CANDIDATES = [None,  # the shipped settings
                    # our sort network
@@ -134,9 +136,10 @@ COMPRESS_CANDIDATES = [None,  # the shipped tiles
 
 
 def sweep_compress(k, wk, pos, proj, cu, args, emit):
-    """phi with its MLP, forward + backward of one of K/V: the Triton kernels' tiles, and the PyTorch
-    form shipped before them (scripts/compress_torch_baseline.py, while it exists). ``err``: the
-    largest relative RMS error of the output and the four gradients against the fp32 reference."""
+    """phi with its MLP, forward + backward of one of K/V: the Triton kernels' tiles (and, while
+    scripts/compress_torch_baseline.py existed, the PyTorch form they replaced; commit 755b1ad,
+    tune_h200_compress.log). ``err``: the largest relative RMS error of the output and the four
+    gradients against the fp32 reference."""
     from flash_msa import reference
     from flash_msa.compression import compress
     leaves = [x.detach().requires_grad_() for x in (k, wk, pos, proj)]

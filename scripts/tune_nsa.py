@@ -126,7 +126,7 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
 COMPRESS_CANDIDATES = [None,  # the shipped tiles
                        dict(fwd=(64, dict(num_warps=4, num_stages=2))),
                        dict(fwd=(32, dict(num_warps=4, num_stages=2))),
-                       dict(fwd=(64, dict(num_warps=8, num_stages=3))),
+                       dict(fwd=(64, dict(num_warps=8, num_stages=2))),
                        dict(prep=(32, dict(num_warps=4, num_stages=1))),
                        dict(dx=(64, dict(num_warps=8, num_stages=2))),
                        dict(dx=(64, dict(num_warps=4, num_stages=1))),

@@ -39,6 +39,8 @@ from flash_msa.utils.cache import per_batch
 from flash_msa.utils.varlen import compressed_rows
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# a program holds [D, D] tiles of W and proj: head dims beyond 128 run the PyTorch reference
+KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
@@ -212,8 +214,10 @@ def _tiles(device) -> dict:
     if device.type != "cuda":
         cfg = dict(fwd=(16, {}), prep=(16, {}), dx=(16, {}), dw=(16, {}))
     else:
-        # without spills on sm_90 (scripts/kernel_resources.py): forward 169 registers, dx 136, dW 104
-        cfg = dict(fwd=(64, dict(num_warps=8, num_stages=2)), prep=(64, dict(num_warps=4, num_stages=1)),
+        # without spills on sm_90 (scripts/kernel_resources.py); the forward's 3 stages took one of
+        # k/v forward + backward from 1.05 to 0.98 ms at 64K and 3.68 to 3.40 at 256K
+        # (benchmarks/results/tune_h200_compress.log)
+        cfg = dict(fwd=(64, dict(num_warps=8, num_stages=3)), prep=(64, dict(num_warps=4, num_stages=1)),
                    dx=(32, dict(num_warps=4, num_stages=2)), dw=(64, dict(num_warps=8, num_stages=2)))
     cfg.update(TILE_OVERRIDE)
     return cfg
@@ -285,8 +289,8 @@ def compress_kv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, cu_seq
     """phi over every block of a packed stream (the contract of flash_msa.reference.compress_kv).
 
     Args:
-        x: [T, H, D] keys or values (after RoPE for keys), fp16, bf16 or fp32 (other dtypes run
-            the PyTorch reference); D a power of two, at least 16.
+        x: [T, H, D] keys or values (after RoPE for keys). The kernels take fp16, bf16 and fp32
+            and D in KERNEL_HEAD_DIMS; other dtypes and head dims run the PyTorch reference.
         weight: [H, block*D, D]; pos: [H, block, D]; proj: optional [H, D, D], the second layer
             of phi on top of mean pooling (compression/naive.py).
         cu_seqlens: int32 [N+1]; block, stride: l and d, l a multiple of d.
@@ -298,7 +302,7 @@ def compress_kv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, cu_seq
     if block % stride != 0:
         raise ValueError(f"block ({block}) must be a multiple of stride ({stride})")
     T, H, D = x.shape
-    if x.dtype not in KERNEL_DTYPES or D < 16 or D & (D - 1):
+    if x.dtype not in KERNEL_DTYPES or D not in KERNEL_HEAD_DIMS:
         from flash_msa import reference
         return reference.compress_kv(x, weight, pos, cu_seqlens, block, stride, proj=proj)
     cu_cmp, first_key, valid, slot_tok, slot_row = per_batch(compression_slots, cu_seqlens, T, block, stride)

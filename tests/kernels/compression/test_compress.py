@@ -54,7 +54,8 @@ def test_compress_matches_reference(case, l, d, device):
 
 
 @pytest.mark.parametrize("case,l,d,D", [("varlen", 32, 16, 16), ("shorter-than-block", 32, 16, 16),
-                                       ("many-seqs", 32, 16, 32), ("many-seqs", 64, 16, 16), ("varlen", 16, 4, 16)])
+                                       ("many-seqs", 32, 16, 32), ("many-seqs", 64, 16, 16), ("varlen", 16, 4, 16),
+                                       ("varlen", 32, 16, 64)])
 def test_compress_mlp_matches_reference(case, l, d, D, device):
     """phi with its second layer (the model's configuration): mean pooling + proj^T gelu(W^T X)."""
     dtype = _dtype(device)

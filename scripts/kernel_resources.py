@@ -87,7 +87,7 @@ def cases():
             ("prep", compress.compress_bwd_prep_kernel,
              dict(do=B, hid=F, proj=B, valid=U8, dh=B, Tc="i32"), dict(H=8, D=128, BC=tiles["prep"][0], IEEE=False)),
             ("dw", compress.compress_bwd_dw_kernel,
-             dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32"),
+             dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32", rows_per_split="i32"),
              dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], IEEE=False))):
         out.append((f"compress_{kern}", fn, sig, const, (), tiles[kern][1]))
     for G in (4, 5):

@@ -123,16 +123,15 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
     topk.LAUNCH_OVERRIDE = {}
 
 
-COMPRESS_CANDIDATES = [None,  # the shipped tiles
-                       dict(fwd=(64, dict(num_warps=4, num_stages=2))),
-                       dict(fwd=(32, dict(num_warps=4, num_stages=2))),
+COMPRESS_CANDIDATES = [None,  # the shipped settings; keys in upper case set module globals of compress.py
                        dict(fwd=(64, dict(num_warps=8, num_stages=2))),
                        dict(prep=(32, dict(num_warps=4, num_stages=1))),
                        dict(dx=(64, dict(num_warps=8, num_stages=2))),
                        dict(dx=(64, dict(num_warps=4, num_stages=1))),
-                       dict(dx=(16, dict(num_warps=4, num_stages=2))),
                        dict(dw=(32, dict(num_warps=4, num_stages=2))),
-                       dict(dw=(128, dict(num_warps=8, num_stages=2)))]
+                       dict(DW_MAX_SPLITS=1),  # dW / dproj in one pass over the rows (before the splits)
+                       dict(DW_MAX_SPLITS=8),
+                       dict(DW_MAX_SPLITS=8, dw=(32, dict(num_warps=4, num_stages=2)))]
 
 
 def sweep_compress(k, wk, pos, proj, cu, args, emit):
@@ -149,16 +148,21 @@ def sweep_compress(k, wk, pos, proj, cu, args, emit):
         out, _ = fn(xs[0], xs[1], xs[2], cu, L, STRIDE, proj=xs[3])
         return (out, *torch.autograd.grad(out, xs, dout.to(out.dtype)))
     ref = run(reference.compress_kv, [x.detach().float().requires_grad_() for x in leaves])
-    variants = [("shipped" if c is None else " ".join(f"{n}:BC={bc} w{o['num_warps']} s{o['num_stages']}"
-                                                       for n, (bc, o) in c.items()), c, compress.compress_kv)
-                for c in COMPRESS_CANDIDATES]
+    def label(c):
+        return " ".join(f"{n}={v}" if n.isupper() else f"{n}:BC={v[0]} w{v[1]['num_warps']} s{v[1]['num_stages']}"
+                        for n, v in c.items())
+    variants = [("shipped" if c is None else label(c), c, compress.compress_kv) for c in COMPRESS_CANDIDATES]
     try:
         import compress_torch_baseline
         variants.append(("pytorch form (before)", None, compress_torch_baseline.compress_kv))
     except ImportError:
         pass
+    shipped_globals = {n: getattr(compress, n) for c in COMPRESS_CANDIDATES if c for n in c if n.isupper()}
     for name, cand, fn in variants:
-        compress.TILE_OVERRIDE = dict(cand or {})
+        cand = cand or {}
+        compress.TILE_OVERRIDE = {n: v for n, v in cand.items() if not n.isupper()}
+        for n, v in shipped_globals.items():
+            setattr(compress, n, cand.get(n, v))
         try:
             got = run(fn, leaves)
             err = max(rel_rms(a.float(), b) for a, b in zip(got, ref))
@@ -166,6 +170,8 @@ def sweep_compress(k, wk, pos, proj, cu, args, emit):
         except Exception as e:
             emit(dict(op="compress", config=name, ms=None, err=None, error=f"{type(e).__name__}: {str(e)[:160]}"))
     compress.TILE_OVERRIDE = {}
+    for n, v in shipped_globals.items():
+        setattr(compress, n, v)
 
 
 def profile_compress(k, wk, pos, proj, cu):

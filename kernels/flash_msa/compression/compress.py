@@ -18,8 +18,9 @@ Kernels (one program per tile of rows or slots and one KV head):
 - ``compress_bwd_dx_kernel``: per tile of stride chunks ("slots", see :func:`compression_slots`):
   token ``i*d + j`` of a chunk gets ``dh(i - c) @ W[j + c*d]^T`` from the r = l/d blocks that
   cover it (plus ``dout/l`` through the mean). Each token is written by exactly one program.
-- ``compress_bwd_dw_kernel``: per (offset j, head), ``dW_j = sum_i x_j(i)^T dh(i)`` over all rows
-  in row order; one more program per head sums ``dproj = gelu(hidden)^T dout``.
+- ``compress_bwd_dw_kernel``: per (offset j, head, split of the rows), ``dW_j = sum_i x_j(i)^T dh(i)``
+  in row order; one more program per (head, split) sums ``dproj = gelu(hidden)^T dout``. The
+  splits' partials are added in order on the host.
 
 The position encoding's share of dW and dpos, and of the forward, is a few [H, D]-sized
 products on the host side.
@@ -147,15 +148,17 @@ def compress_bwd_dx_kernel(
 
 @triton.jit
 def compress_bwd_dw_kernel(
-    x, dh, do, hid, dw, dproj, first_key, valid, Tc,
+    x, dh, do, hid, dw, dproj, first_key, valid, Tc, rows_per_split,
     H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr,
 ):
-    # program (j, head), j < BLOCK: dW_j = sum over rows i of x[first_key(i) + j]^T dh(i);
-    # j == BLOCK (with the MLP): dproj = sum_i gelu(hid(i))^T do(i). Rows in order: deterministic.
-    i_j, i_h = tl.program_id(0), tl.program_id(1)
+    # program (j, head, split), j < BLOCK: the split's share of dW_j = sum over rows i of
+    # x[first_key(i) + j]^T dh(i); j == BLOCK (with the MLP): of dproj = sum_i gelu(hid(i))^T do(i).
+    # Rows in order within a split, splits summed in order on the host: deterministic.
+    i_j, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = tl.arange(0, D)
     b_acc = tl.zeros([D, D], dtype=tl.float32)
-    for c0 in range(0, Tc, BC):
+    r0 = i_s * rows_per_split
+    for c0 in range(r0, tl.minimum(Tc, r0 + rows_per_split), BC):
         o_c = c0 + tl.arange(0, BC)
         m_c = o_c < Tc
         m_v = m_c & (tl.load(valid + o_c, mask=m_c, other=0) != 0)
@@ -174,9 +177,9 @@ def compress_bwd_dw_kernel(
             b_acc += tl.dot(tl.trans(b_a), b_b)
     o_dd = o_d[:, None] * D + o_d[None, :]
     if i_j < BLOCK:
-        tl.store(dw + (i_h.to(tl.int64) * BLOCK + i_j) * D * D + o_dd, b_acc)
+        tl.store(dw + ((i_s * H + i_h).to(tl.int64) * BLOCK + i_j) * D * D + o_dd, b_acc)
     else:
-        tl.store(dproj + i_h.to(tl.int64) * D * D + o_dd, b_acc)
+        tl.store(dproj + (i_s * H + i_h).to(tl.int64) * D * D + o_dd, b_acc)
 
 
 def compression_slots(cu_seqlens: torch.Tensor, T: int, block: int, stride: int):
@@ -204,6 +207,10 @@ def compression_slots(cu_seqlens: torch.Tensor, T: int, block: int, stride: int)
     slot_row = torch.where(used & (j < n_blocks), cc[seq] + j, torch.full_like(j, -1))
     return cu_cmp, first_key, valid, slot_tok, slot_row.to(torch.int32)
 
+
+# dW / dproj: rows per split of the reduction over compressed rows, and the most splits
+# (partials of splits * H * l * D * D fp32: 64 MiB at 4 splits, 8 KV heads, l=32, D=128).
+DW_SPLIT_ROWS, DW_MAX_SPLITS = 1024, 4
 
 # Launch tiles {"fwd" | "prep" | "dx" | "dw": (rows per program, launch options)}; entries replace the
 # defaults of _tiles (tests and scripts/tune_nsa.py set them).
@@ -267,11 +274,18 @@ class CompressFunction(torch.autograd.Function):
         compress_bwd_dx_kernel[(triton.cdiv(Ns, BC), H)](
             dh, do, weight, dx, slot_tok, slot_row, Ns, T,
             H=H, D=D, BLOCK=block, STRIDE=stride, BC=BC, MLP=mlp, IEEE=ieee, **opts)
-        dw = torch.empty(H, block * D, D, device=x.device, dtype=torch.float32)
-        dproj = torch.empty(H, D, D, device=x.device, dtype=torch.float32) if mlp else dw
+        # the sums over rows are split into chunks of at least DW_SPLIT_ROWS rows (at most
+        # DW_MAX_SPLITS), so that more programs than (l + 1) * H share the reduction
         BC, opts = cfg["dw"]
-        compress_bwd_dw_kernel[(block + mlp, H)](x, dh, do, hid if mlp else dh, dw, dproj, first_key, valid, Tc,
-                                                 H=H, D=D, BLOCK=block, BC=BC, IEEE=ieee, **opts)
+        splits = max(1, min(DW_MAX_SPLITS, Tc // DW_SPLIT_ROWS))
+        rows = triton.cdiv(triton.cdiv(Tc, splits), BC) * BC
+        dw = torch.empty(splits, H, block * D, D, device=x.device, dtype=torch.float32)
+        dproj = torch.empty(splits, H, D, D, device=x.device, dtype=torch.float32) if mlp else dw
+        compress_bwd_dw_kernel[(block + mlp, H, splits)](
+            x, dh, do, hid if mlp else dh, dw, dproj, first_key, valid, Tc, rows,
+            H=H, D=D, BLOCK=block, BC=BC, IEEE=ieee, **opts)
+        dw = dw.sum(0)  # [H, l*D, D], splits in order
+        dproj = dproj.sum(0) if mlp else None
         # the position encoding: X_j = x_j + pos_j, so dW_j gains pos_j^T sum_i dh(i) and
         # dpos_j = (sum_i dh(i)) W_j^T (+ sum_i dout(i) / l through the mean); sums over rows with a block
         m = valid[:, None, None]
@@ -281,7 +295,7 @@ class CompressFunction(torch.autograd.Function):
         if mlp:
             dpos = dpos + torch.where(m, do, 0).sum(0, dtype=torch.float32)[:, None, :] / block
         return (dx, dw.view(H, block * D, D).to(weight.dtype), dpos.to(pos.dtype),
-                dproj.to(proj.dtype) if mlp else None, None, None, None, None, None, None)
+                None if dproj is None else dproj.to(proj.dtype), None, None, None, None, None, None)
 
 
 def compress_kv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, cu_seqlens: torch.Tensor,

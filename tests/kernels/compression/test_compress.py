@@ -76,6 +76,27 @@ def test_compress_mlp_matches_reference(case, l, d, D, device):
         assert_close(name, g, r, _tol(device))
 
 
+@pytest.mark.parametrize("mlp", [False, True], ids=["linear", "mlp"])
+def test_compress_split_weight_gradient(mlp, device, monkeypatch):
+    """dW and dproj summed over compressed rows in several splits (partials added in order)."""
+    from flash_msa.compression import compress
+    monkeypatch.setattr(compress, "DW_SPLIT_ROWS", 8)
+    monkeypatch.setattr(compress, "DW_MAX_SPLITS", 3)  # 37 rows: splits of 13 rows (16 on CPU tiles)
+    dtype = _dtype(device)
+    cu = torch.tensor(CASES["many-seqs"], dtype=torch.int32, device=device)
+    T, HK, D, l, d = CASES["many-seqs"][-1], 2, 16, 32, 16
+    x = torch.randn(T, HK, D, device=device, dtype=dtype, requires_grad=True)
+    w, pos = _params(HK, D, l, device, dtype)
+    proj = (torch.randn(HK, D, D, device=device) / D ** 0.5).to(dtype).requires_grad_() if mlp else None
+    leaves = (x, w, pos) + ((proj,) if mlp else ())
+    out, _ = compress_kv(x, w, pos, cu, l, d, proj=proj)
+    ref, _ = reference.compress_kv(x, w, pos, cu, l, d, proj=proj)
+    do = torch.randn_like(out)
+    for name, g, r in zip(("dx", "dweight", "dpos", "dproj"), torch.autograd.grad(out, leaves, do),
+                          torch.autograd.grad(ref, leaves, do)):
+        assert_close(name, g, r, _tol(device))
+
+
 def test_compress_backward_is_deterministic(device):
     cu = torch.tensor([0, 50, 130], dtype=torch.int32, device=device)
     x = torch.randn(130, 2, 16, device=device, dtype=_dtype(device), requires_grad=True)

@@ -1,4 +1,4 @@
-"""Compression phi in Triton: one forward kernel and two backward kernels, all deterministic.
+"""Compression phi in Triton: one forward kernel and three backward kernels, all deterministic.
 
 phi (see :mod:`flash_msa.compression.naive`): compressed token i of a sequence is
 ``W[h]^T · flatten_j(x[i*d + j, h] + pos[h, j])`` over its block of l keys (stride d), and with
@@ -26,9 +26,10 @@ The position encoding's share of dW and dpos, and of the forward, is a few [H, D
 products on the host side.
 
 Why hand-written: the PyTorch form (a gather of stride chunks, a batched matmul and index
-arithmetic, 20-odd elementwise and indexing kernels per call) took 5.4 ms of GPU time for K and V
-forward + backward at 64K tokens (benchmarks/results/nsa_h200.md), against well under 1 ms of
-bytes; these kernels read x once per block it belongs to and write every output once.
+arithmetic, 20-odd elementwise and indexing kernels per call) took 5.4 ms for K and V forward +
+backward at 64K tokens (benchmarks/results/nsa_h200_6c8eeb7.md), against well under 1 ms of bytes;
+these kernels read x once per block it belongs to and write every output once
+(benchmarks/results/tune_h200_compress.log: 2.14 -> 1.05 ms per call at 64K, 6.69 -> 3.03 at 256K).
 """
 from __future__ import annotations
 

@@ -212,16 +212,16 @@ def variants(T, G, D, S, bs, device):
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
-             "PARTIAL_BUDGET", "FWD_MAXNREG")
+             "PARTIAL_BUDGET", "FWD_MAXNREG", "FWD_KEY_GROUPS")
     base = {n: getattr(fmsa, n) for n in names}
-    # Also timed, and slower: the forward's tile loop without a branch, pipelined by Triton
-    # (12.4-13.5 against 10.35 ms at G=4; selected_variants3_h200.log).
-    # partitions: all KV heads in 2048-token chunks (the default before per-head partitions),
-    # one KV head in 32K-token chunks (twice the default budget at 64K); the run that chose the
-    # default also timed 4096 all heads and 8192 per head (selected_partitions_h200.log)
-    parts = [{"call": {"chunk_size": 2048, "heads": HK}}, {"call": {"chunk_size": 32768, "heads": 1}}]
-    fwd_variants = [{}, *parts, {"FWD_TILES": 1}, {"FWD_MAXNREG": 0}, {"FWD_BM": 128, "FWD_WARPS": 8}]
-    bwd_variants = [{}, *parts, {"SEG_TILES": 16}, {"SEG_TILES": 32}, {"SEG_TILES": 128}, {"BWD_STAGES": 1}]
+    # The forward scheduled by groups of FWD_TILES row tiles of one key, K/V loaded once per
+    # program (FWD_KEY_GROUPS), against the shipped per-tile loads. Timed before, and slower: the
+    # tile loop without a branch, pipelined by Triton (selected_variants3_h200.log); partitions,
+    # segments and other settings (selected_partitions_h200.log, selected_variants*_h200.log).
+    grp = {"FWD_KEY_GROUPS": True}
+    fwd_variants = [{}, {**grp, "FWD_TILES": 2}, {**grp, "FWD_TILES": 4}, {**grp, "FWD_TILES": 8},
+                    {**grp, "FWD_TILES": 4, "FWD_MAXNREG": 0}]
+    bwd_variants = [{}, {**grp, "FWD_TILES": 4}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

@@ -212,16 +212,14 @@ def variants(T, G, D, S, bs, device):
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
-             "PARTIAL_BUDGET", "FWD_MAXNREG", "FWD_KEY_GROUPS")
+             "PARTIAL_BUDGET", "FWD_MAXNREG")
     base = {n: getattr(fmsa, n) for n in names}
-    # The forward scheduled by groups of FWD_TILES row tiles of one key, K/V loaded once per
-    # program (FWD_KEY_GROUPS), against the shipped per-tile loads. Timed before, and slower: the
-    # tile loop without a branch, pipelined by Triton (selected_variants3_h200.log); partitions,
-    # segments and other settings (selected_partitions_h200.log, selected_variants*_h200.log).
-    grp = {"FWD_KEY_GROUPS": True}
-    fwd_variants = [{}, {**grp, "FWD_TILES": 2}, {**grp, "FWD_TILES": 4}, {**grp, "FWD_TILES": 8},
-                    {**grp, "FWD_TILES": 4, "FWD_MAXNREG": 0}]
-    bwd_variants = [{}, {**grp, "FWD_TILES": 4}]
+    # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
+    # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
+    # by Triton (selected_variants3_h200.log); partitions, segments and other launch settings
+    # (selected_partitions_h200.log, selected_variants*_h200.log).
+    fwd_variants = [{}, {"FWD_TILES": 2}, {"FWD_TILES": 8}, {"FWD_MAXNREG": 0}]
+    bwd_variants = [{}, {"SEG_TILES": 32}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

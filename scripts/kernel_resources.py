@@ -96,8 +96,7 @@ def cases():
         sig = dict(q=B, k=B, v=B, po=B, plse=F, entry_ids=I, key_offsets=I, tile_key=I, tile_first=I,
                    block_start=I, block_end=I, k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32")
         out.append((f"fmsa_fwd G={G}", fmsa.fmsa_fwd_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=fmsa.FWD_BM, NT=fmsa.FWD_TILES, HKG=HKG,
-                         GROUPS=fmsa.FWD_KEY_GROUPS),
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=fmsa.FWD_BM, NT=fmsa.FWD_TILES, HKG=HKG),
                     ("c0",),
                     dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa.FWD_STAGES,
                          **({"maxnreg": fmsa.FWD_MAXNREG} if fmsa.FWD_MAXNREG else {}))))

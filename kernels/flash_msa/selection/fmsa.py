@@ -10,9 +10,10 @@ and either all KV heads or one KV head (``default_partition``; docs/selected_att
 Memory). Its keys are consecutive in the CSR.
 
 Forward, per partition:
-  1. ``fmsa_fwd_kernel``: one program per FWD_TILES row tiles. Per tile it gathers the query
-     rows, loads K/V of the block once, and writes the normalised partial output and its lse
-     to a compact buffer indexed by entry. Programs past the partition's last tile exit at once.
+  1. ``fmsa_fwd_kernel``: one program per group of FWD_TILES row tiles of one key. It loads
+     K/V of the block once; per tile it gathers the query rows and writes the normalised
+     partial output and its lse to a compact buffer indexed by entry. Programs past the
+     partition's last group exit at once.
   2. ``fmsa_merge_kernel``: one program per (token, KV head) merges the partials of the
      token's valid slots in slot order: no atomics, deterministic.
 Backward: ``fmsa_bwd_preprocess_kernel`` (delta = rowsum(o * do)), then per partition:
@@ -112,60 +113,27 @@ def fmsa_fwd_kernel(
     q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first,
     block_start, block_end, k_lo, c0, hk0, NB, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr, GROUPS: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr,
 ):
-    # The partition's keys are [k_lo, k_lo + HKG * NB); programs past its last tile do nothing.
-    # GROUPS: the schedule's tiles are groups of NT*BM rows of one key, and a program loads the
-    # block's K/V once for its NT row tiles. Otherwise a program takes NT consecutive BM-row
-    # tiles, of one key or several, loading K/V per tile.
+    # One program per group of NT*BM rows of one key (the schedule's "tiles" are these groups):
+    # the block's K/V are loaded once, then NT row tiles of BM rows. The partition's keys are
+    # [k_lo, k_lo + HKG * NB); programs past its last group do nothing.
     i_end = tl.load(tile_first + k_lo + HKG * NB)
-    i_tile0 = tl.load(tile_first + k_lo) + tl.program_id(0) * (1 if GROUPS else NT)
-    if i_tile0 >= i_end:
+    i_grp = tl.load(tile_first + k_lo) + tl.program_id(0)
+    if i_grp >= i_end:
         return
-    if GROUPS:
-        i_key = tl.load(tile_key + i_tile0)
-        i_hk = (i_key // NB) % HK
-        i_e0 = tl.load(key_offsets + i_key)
-        n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
-        r0 = (i_tile0 - tl.load(tile_first + i_key)) * (NT * BM)
-        o_k, m_k, p_kv = _block_keys(block_start, block_end, i_key % NB, i_hk, HK, D, BS)
-        b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
-        b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
-        for i_j in range(NT):
-            if r0 + i_j * BM < n_rows:
-                _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
-                          i_hk, c0, hk0, scale2, HQ, HK, G, S, D, HKG)
-    else:  # the shipped loop, as it was (kept verbatim while the two are timed side by side)
-        o_d = tl.arange(0, D)
-        for i_j in range(NT):
-            i_tile = i_tile0 + i_j
-            if i_tile < i_end:
-                i_key = tl.load(tile_key + i_tile)
-                i_hk = (i_key // NB) % HK
-                i_b = i_key % NB
-                i_e0 = tl.load(key_offsets + i_key)
-                n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
-                o_r = (i_tile - tl.load(tile_first + i_key)) * BM + tl.arange(0, BM)  # [BM] rows of the key
-                m_r = o_r < n_rows
-                b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids
-                b_t = b_e // (HK * S)  # [BM] query tokens
-                b_g = o_r % G
-                o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q
-                b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-                o_k, m_k, p_kv = _block_keys(block_start, block_end, i_b, i_hk, HK, D, BS)
-                b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
-                b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
-                b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
-                m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
-                b_s = tl.where(m_s, b_s, float("-inf"))
-                b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
-                b_p = tl.exp2(b_s - b_m[:, None])
-                b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
-                b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]  # [BM, D] normalised partial output
-                o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)  # [BM]
-                tl.store(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty),
-                         mask=m_r[:, None])
-                tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
+    i_key = tl.load(tile_key + i_grp)
+    i_hk = (i_key // NB) % HK
+    i_e0 = tl.load(key_offsets + i_key)
+    n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
+    r0 = (i_grp - tl.load(tile_first + i_key)) * (NT * BM)
+    o_k, m_k, p_kv = _block_keys(block_start, block_end, i_key % NB, i_hk, HK, D, BS)
+    b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
+    b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
+    for i_j in range(NT):
+        if r0 + i_j * BM < n_rows:
+            _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
+                      i_hk, c0, hk0, scale2, HQ, HK, G, S, D, HKG)
 
 
 @triton.jit
@@ -356,13 +324,15 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 
 
 # Launch settings (measured on H200, docs/selected_attention.md); module globals so the
-# benchmark can time variants.
-FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 2
+# benchmark can time variants. FWD_TILES: row tiles per forward program, all of one key, so its
+# K/V are loaded once: 4 tiles took the forward from 10.37 to 9.35 ms at 64K G=4 and from 12.68
+# to 11.37 at G=5, against 2 consecutive tiles of any keys with K/V loaded per tile
+# (benchmarks/results/selected_variants4_h200.log; 8 tiles: 9.36 / 11.28).
+FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
 # Register cap of the forward kernel: 128 fits 4 programs per SM instead of 3 (the compiler's
 # choice is 142 registers), at the cost of a few spills. Measured at 64K: 10.52 against 11.05 ms
 # at G=4, 12.97 against 13.70 at G=5 (benchmarks/results/selected_variants_h200.log, fourth run).
 FWD_MAXNREG = 128
-FWD_KEY_GROUPS = False
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 2
 
 
@@ -451,7 +421,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
     G = HQ // HK
     meta, Tc = csr.meta, csr.chunk_size
     BM = _fwd_tile_rows(D, meta.block_size)
-    R = BM * FWD_TILES if FWD_KEY_GROUPS else BM  # rows per scheduled tile (a group with FWD_KEY_GROUPS)
+    R = BM * FWD_TILES  # rows of a program: FWD_TILES row tiles of one key
     tile_key, tile_first = tile_schedule(csr, G, R)
     o = torch.empty_like(q)
     lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
@@ -460,12 +430,12 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         entries = min(Tc, T - c0) * HKG * S
-        # static bound on the partition's tiles: each key adds at most one partial tile
-        tiles = (entries * G + R - 1) // R + min(entries, HKG * chunk_blocks(csr, i_c))
-        fmsa_fwd_kernel[(tiles if FWD_KEY_GROUPS else triton.cdiv(tiles, FWD_TILES),)](
+        # static bound on the partition's groups: each key adds at most one partial group
+        groups = (entries * G + R - 1) // R + min(entries, HKG * chunk_blocks(csr, i_c))
+        fmsa_fwd_kernel[(groups,)](
             q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG, GROUPS=FWD_KEY_GROUPS,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG,
             num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
             **({"maxnreg": FWD_MAXNREG} if FWD_MAXNREG and q.is_cuda else {}))
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](

@@ -6,7 +6,7 @@ the second layer ``proj`` the model's form ``mean_j(x + pos) + proj[h]^T gelu(W[
 packed stream the T//d output rows are filled back to back per sequence (``cu_cmp``), rows past
 ``cu_cmp[-1]`` are 0, and everything is sized without a host sync.
 
-Kernels (one program per tile of rows or slots and one KV head):
+Kernels (one program per tile of rows or slots and one KV head, but for dW):
 
 - ``compress_fwd_kernel``: per tile of compressed rows, ``sum_j x_j @ W_j`` over the block's l
   offsets (x rows gathered straight from the packed stream, W_j = rows [j*D, (j+1)*D) of W[h]),
@@ -22,8 +22,8 @@ Kernels (one program per tile of rows or slots and one KV head):
   in row order; one more program per (head, split) sums ``dproj = gelu(hidden)^T dout``. The
   splits' partials are added in order on the host.
 
-The position encoding's share of dW and dpos, and of the forward, is a few [H, D]-sized
-products on the host side.
+The position encoding's share of the forward ([H, D] biases), of dpos ([H, l, D]) and of dW
+(an [H, l, D, D] outer product) is computed on the host side with PyTorch.
 
 Why hand-written: the PyTorch form (a gather of stride chunks, a batched matmul and index
 arithmetic, 20-odd elementwise and indexing kernels per call) took 5.4 ms for K and V forward +
@@ -209,8 +209,9 @@ def compression_slots(cu_seqlens: torch.Tensor, T: int, block: int, stride: int)
     return cu_cmp, first_key, valid, slot_tok, slot_row.to(torch.int32)
 
 
-# dW / dproj: rows per split of the reduction over compressed rows, and the most splits
-# (partials of splits * H * l * D * D fp32: 64 MiB at 4 splits, 8 KV heads, l=32, D=128).
+# dW / dproj: the reduction over compressed rows takes one split per DW_SPLIT_ROWS rows, at most
+# DW_MAX_SPLITS (partials of splits * H * l * D * D fp32: 64 MiB at 4 splits, 8 KV heads, l=32,
+# D=128).
 DW_SPLIT_ROWS, DW_MAX_SPLITS = 1024, 4
 
 # Launch tiles {"fwd" | "prep" | "dx" | "dw": (rows per program, launch options)}; entries replace the
@@ -275,8 +276,9 @@ class CompressFunction(torch.autograd.Function):
         compress_bwd_dx_kernel[(triton.cdiv(Ns, BC), H)](
             dh, do, weight, dx, slot_tok, slot_row, Ns, T,
             H=H, D=D, BLOCK=block, STRIDE=stride, BC=BC, MLP=mlp, IEEE=ieee, **opts)
-        # the sums over rows are split into chunks of at least DW_SPLIT_ROWS rows (at most
-        # DW_MAX_SPLITS), so that more programs than (l + 1) * H share the reduction
+        # the sums over rows are split into Tc // DW_SPLIT_ROWS chunks (1 to DW_MAX_SPLITS) of equal
+        # size rounded up to BC rows, so that more programs than (l + 1) * H share the reduction;
+        # the last chunk may be shorter, or empty (its partial is 0)
         BC, opts = cfg["dw"]
         splits = max(1, min(DW_MAX_SPLITS, Tc // DW_SPLIT_ROWS))
         rows = triton.cdiv(triton.cdiv(Tc, splits), BC) * BC

@@ -87,8 +87,8 @@ def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0
     m_r = o_r < n_rows
     # index arithmetic in int32 (entry ids < 2^31: build_selection_csr; partial rows < 2^31:
     # the chunk_size check in FMSASelectedAttentionFunction), widened to int64 only for
-    # addresses; with the reciprocal below this took the kernel from 156 to 142 registers
-    # at G=4 and from 200 to 142 at G=5 (3 programs per SM instead of 2),
+    # addresses; with the reciprocal below this took the kernel (before key groups) from 156 to
+    # 142 registers at G=4 and from 200 to 142 at G=5 (3 programs per SM instead of 2),
     # benchmarks/results/kernel_resources_sm90.md
     b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids
     b_t = b_e // (HK * S)  # [BM] query tokens
@@ -330,8 +330,10 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 # (benchmarks/results/selected_variants4_h200.log; 8 tiles: 9.36 / 11.28).
 FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
 # Register cap of the forward kernel: 128 fits 4 programs per SM instead of 3 (the compiler's
-# choice is 142 registers), at the cost of a few spills. Measured at 64K: 10.52 against 11.05 ms
-# at G=4, 12.97 against 13.70 at G=5 (benchmarks/results/selected_variants_h200.log, fourth run).
+# choice is 147 registers with key groups, 142 before), at the cost of a few spills. Measured
+# before key groups at 64K: 10.52 against 11.05 ms at G=4, 12.97 against 13.70 at G=5
+# (selected_variants_h200.log, fourth run); with them, uncapped 10.00 against 9.35 ms at G=4
+# and 11.87 against 11.37 at G=5 (selected_variants4_h200.log).
 FWD_MAXNREG = 128
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 2
 

@@ -80,15 +80,15 @@ def cases():
     for kern, fn, sig, const in (
             ("fwd", compress.compress_fwd_kernel,
              dict(x=B, w=B, bias=F, mpos=F, proj=B, out=B, hid=F, first_key=L64, valid=U8, Tc="i32"),
-             dict(H=8, D=128, BLOCK=32, BC=tiles["fwd"][0], MLP=True, IEEE=False)),
+             dict(H=8, D=128, BLOCK=32, BC=tiles["fwd"][0], MLP=True, PREC=None)),
             ("dx", compress.compress_bwd_dx_kernel,
              dict(dh=B, do=B, w=B, dx=B, slot_tok=L64, slot_row=I, Ns="i32", T="i32"),
-             dict(H=8, D=128, BLOCK=32, STRIDE=16, BC=tiles["dx"][0], MLP=True, IEEE=False)),
+             dict(H=8, D=128, BLOCK=32, STRIDE=16, BC=tiles["dx"][0], MLP=True, PREC=None)),
             ("prep", compress.compress_bwd_prep_kernel,
-             dict(do=B, hid=F, proj=B, valid=U8, dh=B, Tc="i32"), dict(H=8, D=128, BC=tiles["prep"][0], IEEE=False)),
+             dict(do=B, hid=F, proj=B, valid=U8, dh=B, Tc="i32"), dict(H=8, D=128, BC=tiles["prep"][0], PREC=None)),
             ("dw", compress.compress_bwd_dw_kernel,
              dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32", rows_per_split="i32"),
-             dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], IEEE=False))):
+             dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], PREC=None))):
         out.append((f"compress_{kern}", fn, sig, const, (), tiles[kern][1]))
     for G in (4, 5):
         HQ = 8 * G

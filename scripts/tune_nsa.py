@@ -135,10 +135,10 @@ COMPRESS_CANDIDATES = [None,  # the shipped settings; keys in upper case set mod
 
 
 def sweep_compress(k, wk, pos, proj, cu, args, emit):
-    """phi with its MLP, forward + backward of one of K/V: the Triton kernels' tiles (and, while
-    scripts/compress_torch_baseline.py existed, the PyTorch form they replaced; commit 755b1ad,
-    tune_h200_compress.log). ``err``: the largest relative RMS error of the output and the four
-    gradients against the fp32 reference."""
+    """phi with its MLP, forward + backward of one of K/V under the Triton kernels' tiles and
+    settings (the PyTorch form they replaced was timed here at commit 755b1ad, from a script since
+    removed: tune_h200_compress.log). ``err``: the largest relative RMS error of the output and the
+    four gradients against the fp32 reference."""
     from flash_msa import reference
     from flash_msa.compression import compress
     leaves = [x.detach().requires_grad_() for x in (k, wk, pos, proj)]
@@ -148,17 +148,14 @@ def sweep_compress(k, wk, pos, proj, cu, args, emit):
         out, _ = fn(xs[0], xs[1], xs[2], cu, L, STRIDE, proj=xs[3])
         return (out, *torch.autograd.grad(out, xs, dout.to(out.dtype)))
     ref = run(reference.compress_kv, [x.detach().float().requires_grad_() for x in leaves])
+
     def label(c):
         return " ".join(f"{n}={v}" if n.isupper() else f"{n}:BC={v[0]} w{v[1]['num_warps']} s{v[1]['num_stages']}"
                         for n, v in c.items())
-    variants = [("shipped" if c is None else label(c), c, compress.compress_kv) for c in COMPRESS_CANDIDATES]
-    try:
-        import compress_torch_baseline
-        variants.append(("pytorch form (before)", None, compress_torch_baseline.compress_kv))
-    except ImportError:
-        pass
     shipped_globals = {n: getattr(compress, n) for c in COMPRESS_CANDIDATES if c for n in c if n.isupper()}
-    for name, cand, fn in variants:
+    fn = compress.compress_kv
+    for cand in COMPRESS_CANDIDATES:
+        name = "shipped" if cand is None else label(cand)
         cand = cand or {}
         compress.TILE_OVERRIDE = {n: v for n, v in cand.items() if not n.isupper()}
         for n, v in shipped_globals.items():

@@ -51,7 +51,7 @@ _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 def compress_fwd_kernel(
     x, w, bias, mpos, proj, out, hid, first_key, valid, Tc,
     H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BC: tl.constexpr, MLP: tl.constexpr,
-    IEEE: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -65,10 +65,7 @@ def compress_fwd_kernel(
     for j in range(BLOCK):
         b_x = tl.load(x + ((b_k0 + j) * H + i_h)[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.)  # [BC, D]
         b_w = tl.load(p_w + j * D * D).to(b_x.dtype)  # [D, D]
-        if IEEE:
-            b_h += tl.dot(b_x, b_w, input_precision="ieee")
-        else:
-            b_h += tl.dot(b_x, b_w)
+        b_h += tl.dot(b_x, b_w, input_precision=PREC)
         if MLP:
             b_sum += b_x.to(tl.float32)
     b_h += tl.load(bias + i_h * D + o_d)[None, :]  # flatten(pos) @ W, fp32
@@ -77,10 +74,7 @@ def compress_fwd_kernel(
         tl.store(hid + o_out, tl.where(m_v[:, None], b_h, 0.), mask=m_c[:, None])
         b_g = 0.5 * b_h * (1. + tl.erf(b_h * _SQRT1_2))  # exact gelu
         b_p = tl.load(proj + i_h.to(tl.int64) * D * D + o_d[:, None] * D + o_d[None, :]).to(x.dtype.element_ty)
-        if IEEE:
-            b_o = tl.dot(b_g.to(x.dtype.element_ty), b_p, input_precision="ieee")
-        else:
-            b_o = tl.dot(b_g.to(x.dtype.element_ty), b_p)
+        b_o = tl.dot(b_g.to(x.dtype.element_ty), b_p, input_precision=PREC)
         b_o += b_sum * (1. / BLOCK) + tl.load(mpos + i_h * D + o_d)[None, :]
     else:
         b_o = b_h
@@ -90,7 +84,7 @@ def compress_fwd_kernel(
 @triton.jit
 def compress_bwd_prep_kernel(
     do, hid, proj, valid, dh, Tc,
-    H: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):
     # the MLP's hidden-layer gradient: dh = (do @ proj^T) * gelu'(hid), 0 on rows without a block
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -101,10 +95,7 @@ def compress_bwd_prep_kernel(
     o_x = (o_c.to(tl.int64) * H + i_h)[:, None] * D + o_d[None, :]
     b_do = tl.load(do + o_x, mask=m_v[:, None], other=0.)  # [BC, D]
     b_pt = tl.load(proj + i_h.to(tl.int64) * D * D + o_d[None, :] * D + o_d[:, None]).to(b_do.dtype)  # proj^T
-    if IEEE:
-        b_dg = tl.dot(b_do, b_pt, input_precision="ieee")
-    else:
-        b_dg = tl.dot(b_do, b_pt)
+    b_dg = tl.dot(b_do, b_pt, input_precision=PREC)
     b_h = tl.load(hid + o_x, mask=m_v[:, None], other=0.)
     b_gd = 0.5 * (1. + tl.erf(b_h * _SQRT1_2)) + b_h * tl.exp(-0.5 * b_h * b_h) * _INV_SQRT_2PI
     tl.store(dh + o_x, (b_dg * b_gd).to(dh.dtype.element_ty), mask=m_c[:, None])
@@ -114,7 +105,7 @@ def compress_bwd_prep_kernel(
 def compress_bwd_dx_kernel(
     dh, do, w, dx, slot_tok, slot_row, Ns, T,
     H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr, BC: tl.constexpr,
-    MLP: tl.constexpr, IEEE: tl.constexpr,
+    MLP: tl.constexpr, PREC: tl.constexpr,
 ):
     # slot s (a stride chunk of one sequence) holds tokens slot_tok[s] + [0, STRIDE); the block that
     # starts c chunks earlier covers it at offset j + c*STRIDE, and slot_row[s - c] is its row (-1: none)
@@ -139,10 +130,7 @@ def compress_bwd_dx_kernel(
             b_r = tl.load(slot_row + o_s - c, mask=m_s & (o_s >= c), other=-1).to(tl.int64)
             b_dh = tl.load(dh + (b_r * H + i_h)[:, None] * D + o_d[None, :], mask=(b_r >= 0)[:, None], other=0.)
             b_wt = tl.load(p_wt + (j + c * STRIDE) * D * D).to(b_dh.dtype)  # [D, D]
-            if IEEE:
-                b_dx += tl.dot(b_dh, b_wt, input_precision="ieee")
-            else:
-                b_dx += tl.dot(b_dh, b_wt)
+            b_dx += tl.dot(b_dh, b_wt, input_precision=PREC)
         tl.store(dx + ((b_t0 + j) * H + i_h)[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty),
                  mask=m_t[:, None])
 
@@ -150,7 +138,7 @@ def compress_bwd_dx_kernel(
 @triton.jit
 def compress_bwd_dw_kernel(
     x, dh, do, hid, dw, dproj, first_key, valid, Tc, rows_per_split,
-    H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):
     # program (j, head, split), j < BLOCK: the split's share of dW_j = sum over rows i of
     # x[first_key(i) + j]^T dh(i); j == BLOCK (with the MLP): of dproj = sum_i gelu(hid(i))^T do(i).
@@ -172,15 +160,17 @@ def compress_bwd_dw_kernel(
             b_h = tl.load(hid + o_r, mask=m_v[:, None], other=0.).to(tl.float32)  # (fp32; typed for MLP=False too)
             b_a = (0.5 * b_h * (1. + tl.erf(b_h * _SQRT1_2))).to(do.dtype.element_ty)
             b_b = tl.load(do + o_r, mask=m_v[:, None], other=0.)
-        if IEEE:
-            b_acc += tl.dot(tl.trans(b_a), b_b, input_precision="ieee")
-        else:
-            b_acc += tl.dot(tl.trans(b_a), b_b)
+        b_acc += tl.dot(tl.trans(b_a), b_b, input_precision=PREC)
     o_dd = o_d[:, None] * D + o_d[None, :]
     if i_j < BLOCK:
         tl.store(dw + ((i_s * H + i_h).to(tl.int64) * BLOCK + i_j) * D * D + o_dd, b_acc)
     else:
         tl.store(dproj + (i_s * H + i_h).to(tl.int64) * D * D + o_dd, b_acc)
+
+
+def _dot_precision(dtype: torch.dtype):
+    """tl.dot input precision: exact products for fp32 inputs (the CPU tests' dtype), the default otherwise."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def compression_slots(cu_seqlens: torch.Tensor, T: int, block: int, stride: int):
@@ -240,7 +230,7 @@ class CompressFunction(torch.autograd.Function):
         Tc = first_key.numel()
         mlp = proj is not None
         cfg = _tiles(x.device)
-        ieee = x.dtype == torch.float32
+        prec = _dot_precision(x.dtype)
         w32 = weight.float()
         bias = torch.bmm(pos.float().reshape(H, 1, block * D), w32).view(H, D)  # flatten(pos) @ W, fp32
         mpos = pos.float().mean(1)  # [H, D]
@@ -249,7 +239,7 @@ class CompressFunction(torch.autograd.Function):
         BC, opts = cfg["fwd"]
         compress_fwd_kernel[(triton.cdiv(Tc, BC), H)](
             x, weight, bias, mpos, proj if mlp else weight, out, hid, first_key, valid, Tc,
-            H=H, D=D, BLOCK=block, BC=BC, MLP=mlp, IEEE=ieee, **opts)
+            H=H, D=D, BLOCK=block, BC=BC, MLP=mlp, PREC=prec, **opts)
         ctx.save_for_backward(x, weight, pos, proj, hid if mlp else None, first_key, valid, slot_tok, slot_row)
         ctx.block, ctx.stride, ctx.mlp = block, stride, mlp
         return out
@@ -261,13 +251,13 @@ class CompressFunction(torch.autograd.Function):
         T, H, D = x.shape
         Tc = first_key.numel()
         cfg = _tiles(x.device)
-        ieee = x.dtype == torch.float32
+        prec = _dot_precision(x.dtype)
         do = do.to(x.dtype).contiguous()  # [Tc, H, D]; rows without a block are never read
         if mlp:
             dh = torch.empty_like(do)
             BC, opts = cfg["prep"]
             compress_bwd_prep_kernel[(triton.cdiv(Tc, BC), H)](do, hid, proj, valid, dh, Tc, H=H, D=D, BC=BC,
-                                                               IEEE=ieee, **opts)
+                                                               PREC=prec, **opts)
         else:
             dh = do
         dx = torch.zeros(T, H, D, device=x.device, dtype=x.dtype)  # tokens in no block keep 0
@@ -275,7 +265,7 @@ class CompressFunction(torch.autograd.Function):
         Ns = slot_tok.numel()
         compress_bwd_dx_kernel[(triton.cdiv(Ns, BC), H)](
             dh, do, weight, dx, slot_tok, slot_row, Ns, T,
-            H=H, D=D, BLOCK=block, STRIDE=stride, BC=BC, MLP=mlp, IEEE=ieee, **opts)
+            H=H, D=D, BLOCK=block, STRIDE=stride, BC=BC, MLP=mlp, PREC=prec, **opts)
         # the sums over rows are split into Tc // DW_SPLIT_ROWS chunks (1 to DW_MAX_SPLITS) of equal
         # size rounded up to BC rows, so that more programs than (l + 1) * H share the reduction;
         # the last chunk may be shorter, or empty (its partial is 0)
@@ -286,7 +276,7 @@ class CompressFunction(torch.autograd.Function):
         dproj = torch.empty(splits, H, D, D, device=x.device, dtype=torch.float32) if mlp else dw
         compress_bwd_dw_kernel[(block + mlp, H, splits)](
             x, dh, do, hid if mlp else dh, dw, dproj, first_key, valid, Tc, rows,
-            H=H, D=D, BLOCK=block, BC=BC, IEEE=ieee, **opts)
+            H=H, D=D, BLOCK=block, BC=BC, PREC=prec, **opts)
         dw = dw.sum(0)  # [H, l*D, D], splits in order
         dproj = dproj.sum(0) if mlp else None
         # the position encoding: X_j = x_j + pos_j, so dW_j gains pos_j^T sum_i dh(i) and

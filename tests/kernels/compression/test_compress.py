@@ -25,6 +25,15 @@ def _tol(device):
     return 1e-4 if device == "cpu" else 5e-3
 
 
+def _assert_grads_match(out, ref, leaves, device):
+    """Every gradient of ``leaves`` (x, weight, pos, then proj if given) through out and through ref."""
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, do)
+    refs = torch.autograd.grad(ref, leaves, do)
+    for name, g, r in zip(("dx", "dweight", "dpos", "dproj"), grads, refs):
+        assert_close(name, g, r, _tol(device))
+
+
 def _params(HK, D, l, device, dtype):
     w = (torch.randn(HK, l * D, D, device=device) / (l * D) ** 0.5).to(dtype).requires_grad_()
     pos = (0.5 * torch.randn(HK, l, D, device=device)).to(dtype).requires_grad_()
@@ -46,11 +55,7 @@ def test_compress_matches_reference(case, l, d, device):
     if out.numel() == 0:
         return
     assert_close("x_cmp", out, ref, _tol(device))
-    do = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (x, w, pos), do)
-    refs = torch.autograd.grad(ref, (x, w, pos), do)
-    for name, g, r in zip(("dx", "dweight", "dpos"), grads, refs):
-        assert_close(name, g, r, _tol(device))
+    _assert_grads_match(out, ref, (x, w, pos), device)
 
 
 @pytest.mark.parametrize("case,l,d,D", [("varlen", 32, 16, 16), ("shorter-than-block", 32, 16, 16),
@@ -69,11 +74,7 @@ def test_compress_mlp_matches_reference(case, l, d, D, device):
     naive, _ = reference.compress_kv(x, w, pos, cu, l, d, form="naive", proj=proj)
     assert_close("naive", naive, ref, 1e-5)
     assert_close("x_cmp", out, ref, _tol(device))
-    do = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (x, w, pos, proj), do)
-    refs = torch.autograd.grad(ref, (x, w, pos, proj), do)
-    for name, g, r in zip(("dx", "dweight", "dpos", "dproj"), grads, refs):
-        assert_close(name, g, r, _tol(device))
+    _assert_grads_match(out, ref, (x, w, pos, proj), device)
 
 
 @pytest.mark.parametrize("mlp", [False, True], ids=["linear", "mlp"])
@@ -88,13 +89,9 @@ def test_compress_split_weight_gradient(mlp, device, monkeypatch):
     x = torch.randn(T, HK, D, device=device, dtype=dtype, requires_grad=True)
     w, pos = _params(HK, D, l, device, dtype)
     proj = (torch.randn(HK, D, D, device=device) / D ** 0.5).to(dtype).requires_grad_() if mlp else None
-    leaves = (x, w, pos) + ((proj,) if mlp else ())
     out, _ = compress_kv(x, w, pos, cu, l, d, proj=proj)
     ref, _ = reference.compress_kv(x, w, pos, cu, l, d, proj=proj)
-    do = torch.randn_like(out)
-    for name, g, r in zip(("dx", "dweight", "dpos", "dproj"), torch.autograd.grad(out, leaves, do),
-                          torch.autograd.grad(ref, leaves, do)):
-        assert_close(name, g, r, _tol(device))
+    _assert_grads_match(out, ref, (x, w, pos) + ((proj,) if mlp else ()), device)
 
 
 def test_compress_backward_is_deterministic(device):

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from flash_msa.utils.csr import (
-    SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, tile_schedule)
+    SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule)
 from flash_msa.utils.varlen import flatten_batch
 
 LOG2E = 1.4426950408889634
@@ -432,9 +432,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         entries = min(Tc, T - c0) * HKG * S
-        # static bound on the partition's groups: each key adds at most one partial group
-        groups = (entries * G + R - 1) // R + min(entries, HKG * chunk_blocks(csr, i_c))
-        fmsa_fwd_kernel[(groups,)](
+        fmsa_fwd_kernel[(tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)](
             q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG,
@@ -473,8 +471,7 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             dv_acc.zero_()
         nbc = chunk_blocks(csr, i_c)
         entries = min(Tc, T - c0) * HKG * S
-        segs = (entries * G + SEG - 1) // SEG + min(entries, HKG * nbc)
-        fmsa_bwd_dkdv_kernel[(segs,)](
+        fmsa_bwd_dkdv_kernel[(tile_bound(entries, G, SEG, HKG * nbc),)](
             q, k, v, do, lse, delta, dk_acc, dv_acc, dkp, dvp, dq_partial if write_dq else dk_acc,
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,

@@ -131,6 +131,13 @@ def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size
                         entry_ids=order.to(torch.int32), key_offsets=key_offsets)
 
 
+def tile_bound(entries: int, G: int, R: int, keys: int) -> int:
+    """Static bound on the tiles of R rows that ``entries`` entries (G rows each) spread over at
+    most ``keys`` keys fill: each key adds at most one partial tile. Sizes launch grids without
+    a host sync."""
+    return (entries * G + R - 1) // R + min(entries, keys)
+
+
 def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row tiles of BM (entry, head-in-group) rows: row r of a key is entry r // G, head r % G.
 
@@ -145,7 +152,7 @@ def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, tor
     incl = ntiles.cumsum(0)
     first = torch.cat([incl - ntiles, incl[-1:]])
     E = csr.meta.T * csr.HK * csr.S
-    bound = (E * G + BM - 1) // BM + min(E, csr.num_chunks * csr.keys_per_chunk)
+    bound = tile_bound(E, G, BM, csr.num_chunks * csr.keys_per_chunk)
     tile_key = torch.searchsorted(
         incl, torch.arange(bound, device=incl.device), right=True, out_int32=True)
     return tile_key, first.to(torch.int32)

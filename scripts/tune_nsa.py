@@ -34,8 +34,11 @@ L, STRIDE, SLC, TOPK, WINDOW = 32, 16, 64, 16, 512
 DEVICE = "cuda"
 
 
-def cfg(bm, bn, w, s):
-    return (bm, bn, dict(num_warps=w, num_stages=s))
+def cfg(bm, bn, w, s, **sched):
+    return (bm, bn, dict(num_warps=w, num_stages=s, **sched))
+
+
+ASC_HEAD = dict(DESC=False, KEY_MAJOR=False)  # the dk/dv schedule before 2026-11-30 (window.DKDV_SCHEDULE)
 
 
 RANGE_CANDIDATES = {
@@ -43,26 +46,20 @@ RANGE_CANDIDATES = {
             cfg(128, 32, 4, 3), cfg(64, 128, 4, 2)],
     "dq": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 3), cfg(128, 64, 8, 2), cfg(128, 32, 8, 2), cfg(64, 32, 4, 3),
            cfg(128, 64, 8, 3), cfg(128, 128, 8, 2)],
-    # 2026-11-30: 8 warps at 2 stages, and 32-key tiles (half the fp32 dk/dv accumulators of the
-    # shipped 64-key tile, which runs at 255 registers with spills)
-    "dkdv": [cfg(64, 64, 4, 2), cfg(64, 64, 8, 2), cfg(64, 32, 4, 2), cfg(64, 32, 4, 3), cfg(128, 32, 8, 2),
-             cfg(32, 32, 4, 3), cfg(128, 32, 4, 2)],
+    # Tiles were swept in tune_h200*.md / tune_h200_dkdv2.log. 2026-11-30, second session: the
+    # schedule (window.DKDV_SCHEDULE): rows upwards or downwards, programs head- or tile-major,
+    # and the larger tiles again under the new schedule
+    "dkdv": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 2, **ASC_HEAD), cfg(64, 64, 4, 2, DESC=True, KEY_MAJOR=False),
+             cfg(64, 64, 4, 2, DESC=False, KEY_MAJOR=True), cfg(64, 128, 8, 3), cfg(128, 64, 8, 2),
+             cfg(32, 64, 4, 3), cfg(64, 64, 4, 3)],
 }
-TOPK_CANDIDATES = [None,  # the shipped settings
-                   # our sort network
-                   dict(BT=64, stack=False, tl_sort=False, opts=dict(num_warps=4, num_stages=2)),
-                   dict(BT=32, stack=True, tl_sort=False, opts=dict(num_warps=4, num_stages=2)),
-                   dict(BT=16, stack=True, tl_sort=False, opts=dict(num_warps=4, num_stages=2)),
-                   # Triton's (tl.sort + tl.bitonic_merge)
-                   dict(BT=32, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2)),
-                   dict(BT=128, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2)),
-                   dict(BT=128, stack=False, tl_sort=True, opts=dict(num_warps=8, num_stages=2)),
-                   dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=3)),
-                   dict(BT=32, stack=True, tl_sort=True, opts=dict(num_warps=4, num_stages=2)),
-                   # a register cap for 3 programs per SM instead of 2 (197 registers uncapped; 12-14
-                   # spill instructions at 160-168, benchmarks/results/kernel_resources_sm90.md)
-                   dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2, maxnreg=168)),
-                   dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2, maxnreg=160))]
+TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and register caps were swept in
+                   # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md
+                   # the tile table walked from its end: longest tiles first
+                   dict(BT=64, stack=False, tl_sort=True, reverse=True,
+                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
+                   dict(BT=64, stack=False, tl_sort=True, reverse=False,
+                        opts=dict(num_warps=4, num_stages=2, maxnreg=160))]
 
 
 def rnd(gen, *shape):  # random bf16, never zero
@@ -86,6 +83,7 @@ def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit):
         for cand in cands:
             w.TILE_OVERRIDE = {kernel: cand}
             name = f"BM={cand[0]} BN={cand[1]} warps={cand[2]['num_warps']} stages={cand[2]['num_stages']}"
+            name += "".join(f" {n}={int(v)}" for n, v in cand[2].items() if n.isupper())
             try:
                 o, lse = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
                 if kernel == "fwd":
@@ -111,7 +109,8 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
         name = "shipped" if cand is None else (f"BT={cand['BT']} stack={int(cand['stack'])} "
                                                f"warps={cand['opts']['num_warps']} stages={cand['opts']['num_stages']}"
                                                + (" tl_sort" if cand.get("tl_sort") else " own-sort")
-                                               + (f" maxnreg={cand['opts']['maxnreg']}" if "maxnreg" in cand["opts"] else ""))
+                                               + (f" maxnreg={cand['opts']['maxnreg']}" if "maxnreg" in cand["opts"] else "")
+                                               + (f" reverse={int(cand['reverse'])}" if "reverse" in cand else ""))
         try:
             idx = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
             same = (idx == ref).all(-1).float().mean().item()

@@ -85,9 +85,11 @@ def select_blocks_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
+    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, REVERSE: tl.constexpr,
 ):
     i_p, i_h = tl.program_id(0), tl.program_id(1)
+    if REVERSE:  # the table's last tiles, whose tokens see the most blocks, start first
+        i_p = tl.num_programs(0) - 1 - i_p
     i_s = tl.load(tile_seq + i_p)
     t0 = tl.load(tile_t0 + i_p).to(tl.int64)
     bos = tl.load(cu + i_s).to(tl.int64)
@@ -218,13 +220,14 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     cfg.update(LAUNCH_OVERRIDE)
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
+    reverse = cfg.get("reverse", False)
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
     select_blocks_kernel[(seq.numel(), HK)](
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
-        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, **opts)
+        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, REVERSE=reverse, **opts)
     return out
 
 

@@ -234,9 +234,16 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, 
 def range_attn_bwd_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
-    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    # one program per (key tile, KV head), a 1-D grid; KEY_MAJOR orders it tile-major (the KV
+    # heads of a tile are neighbours) instead of head-major, see DKDV_SCHEDULE
+    i_p = tl.program_id(0)
+    if KEY_MAJOR:
+        i_n, i_h = i_p // HK, i_p % HK
+    else:
+        n_tiles = tl.cdiv(Tk, BN)
+        i_n, i_h = i_p % n_tiles, i_p // n_tiles
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < Tk
     o_d = tl.arange(0, BD)
@@ -261,18 +268,39 @@ def range_attn_bwd_dkdv_kernel(
 
     b_dk = tl.zeros([BN, BD], dtype=tl.float32)
     b_dv = tl.zeros([BN, BD], dtype=tl.float32)
-    for m0 in range(r_start, a, BM):
-        b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
-                                HQ, G, D, BD, BM, True)
-    for m0 in range(a, b, BM):
-        b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
-                                HQ, G, D, BD, BM, False)
-    for m0 in range(b, r_end, BM):
-        b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
-                                HQ, G, D, BD, BM, True)
+    if DESC:
+        # rows from the last down: every program of a sequence starts at its end and walks down
+        # at the same pace, so programs running together read the same q/do rows and share them
+        # in L2 (walked upwards, each program starts at its own first row and reads a stream no
+        # other program reads in time)
+        for m0 in range(b, r_end, BM):
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
+                                    HQ, G, D, BD, BM, True)
+        for i_m in range(0, (b - a) // BM):
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, b - (i_m + 1) * BM, r_end,
+                                    i_h, scale2, HQ, G, D, BD, BM, False)
+        for i_m in range(0, (a - r_start) // BM):
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, a - (i_m + 1) * BM, r_end,
+                                    i_h, scale2, HQ, G, D, BD, BM, True)
+    else:
+        for m0 in range(r_start, a, BM):
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
+                                    HQ, G, D, BD, BM, True)
+        for m0 in range(a, b, BM):
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
+                                    HQ, G, D, BD, BM, False)
+        for m0 in range(b, r_end, BM):
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
+                                    HQ, G, D, BD, BM, True)
     tl.store(dk + o_kv, (b_dk * scale).to(dk.dtype.element_ty), mask=m_kv)
     tl.store(dv + o_kv, b_dv.to(dv.dtype.element_ty), mask=m_kv)
 
+
+# Schedule of the dk/dv kernel (a tile config's launch options may override it): DESC walks each
+# program's query rows from the last down, KEY_MAJOR orders the programs key tile-major. Before
+# these (rows upwards, head-major), compressed attention's dk/dv read q/do at a 4% L2 hit rate
+# (benchmarks/results/ncu_nsa_64k_h200/range_attn_bwd_dkdv_kernel.txt).
+DKDV_SCHEDULE = dict(DESC=True, KEY_MAJOR=True)
 
 # Launch tiles per kernel: {"fwd" | "dq" | "dkdv": (BM, BN, launch options)}. Entries here
 # replace the defaults of _tiles; tests use them to force small tiles and scripts/tune_nsa.py
@@ -336,9 +364,9 @@ def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: floa
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **opts)
     if Tk > 0:
         BM, BN, opts = cfg["dkdv"]
-        range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN), HK)](
+        range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN) * HK,)](
             q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale * LOG2E, scale, T, Tk,
-            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **opts)
+            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **{**DKDV_SCHEDULE, **opts})
     return dq, dk, dv
 
 

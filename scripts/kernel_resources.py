@@ -137,7 +137,7 @@ def cases():
                              **extra)
                 bm, bn, opts = tiles[kern]
                 if kern == "dkdv":  # its schedule constexprs, which a tile config may override
-                    opts = {**w.DKDV_SCHEDULE, **opts}
+                    opts = {**w.DKDV_SCHEDULE[kind], **opts}
                 const = {n: v for n, v in opts.items() if n.isupper()}
                 opts = {n: v for n, v in opts.items() if not n.isupper()}
                 out.append((f"range_{kern} {kind} G={G}", fn, {n: types[n] for n in names},

@@ -39,6 +39,7 @@ def cfg(bm, bn, w, s, **sched):
 
 
 ASC_HEAD = dict(DESC=False, KEY_MAJOR=False)  # the dk/dv schedule before 2026-11-30 (window.DKDV_SCHEDULE)
+DESC_TILE = dict(DESC=True, KEY_MAJOR=True)
 
 
 RANGE_CANDIDATES = {
@@ -50,8 +51,9 @@ RANGE_CANDIDATES = {
     # schedule (window.DKDV_SCHEDULE): rows upwards or downwards, programs head- or tile-major,
     # and the larger tiles again under the new schedule
     "dkdv": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 2, **ASC_HEAD), cfg(64, 64, 4, 2, DESC=True, KEY_MAJOR=False),
-             cfg(64, 64, 4, 2, DESC=False, KEY_MAJOR=True), cfg(64, 128, 8, 3), cfg(128, 64, 8, 2),
-             cfg(32, 64, 4, 3), cfg(64, 64, 4, 3)],
+             cfg(64, 64, 4, 2, DESC=False, KEY_MAJOR=True), cfg(64, 64, 4, 2, **DESC_TILE),
+             cfg(64, 128, 8, 3, **DESC_TILE), cfg(128, 64, 8, 2, **DESC_TILE), cfg(32, 64, 4, 3, **DESC_TILE),
+             cfg(64, 64, 4, 3, **DESC_TILE)],
 }
 TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and register caps were swept in
                    # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md

@@ -2,7 +2,8 @@
 
 One program owns ``BT`` consecutive tokens of ONE sequence and one KV head (a device-side
 tile table maps program ids to (sequence, first token) without a host sync; its size bound
-is ``cdiv(T, BT) + N``). It walks the selection blocks of the sequence in chunks of ``NB``
+is ``cdiv(T, BT) + N``; programs take the table from its end, so the tiles that see the most
+blocks start first). It walks the selection blocks of the sequence in chunks of ``NB``
 blocks, up to the tile's last own block, and for each chunk:
 
 1. recomputes the scores of its G query heads against the ``BC = NB*l'/d`` compressed rows
@@ -243,11 +244,13 @@ def _launch(device) -> dict:
         # our network under the CPU interpreter: Triton's runs 7.7x slower there (181 against 24 s
         # for the top-k tests); tests/kernels/compression/test_topk.py checks that both pick the
         # same blocks, bit for bit
-        return dict(BT=32, stack=False, opts={})
+        return dict(BT=32, stack=False, reverse=True, opts={})
     # benchmarks/results/tune_h200_topk_sort.md: Triton's sort network with 64 tokens per program,
     # one matmul per head, wins at every group size measured: 8.05 ms against 8.49 (our network,
     # stacked heads) at 64K and 123.3 against 130.3 at 256K for G=4; 8.57 against 9.80 at 64K for
     # G=5 (tune_h200_qwen3_topk_sort.json). Capped at 160 registers (197 uncapped) it runs 3
     # programs per SM instead of 2, at 12 spill instructions: 7.17 against 8.09 ms at 64K and
     # 108.5 against 123.3 at 256K for G=4, 7.93 against 8.64 for G=5 (tune_h200_topk_maxnreg.md)
-    return dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2, maxnreg=160))
+    # The tile table walked from its end (longest tiles first, so the last wave is short): 6.88
+    # against 7.16 ms at 64K, 107.3 against 108.5 at 256K (tune_h200_dkdv_schedule.md).
+    return dict(BT=64, stack=False, tl_sort=True, reverse=True, opts=dict(num_warps=4, num_stages=2, maxnreg=160))

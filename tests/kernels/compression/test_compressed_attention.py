@@ -79,8 +79,8 @@ def test_compressed_attention_interior_tiles(group, device, small_range_tiles):
 @pytest.mark.parametrize("desc,key_major", [(False, False), (True, False), (False, True)],
                          ids=["up-head-major", "down-head-major", "up-tile-major"])
 def test_compressed_attention_dkdv_schedules(desc, key_major, device, small_range_tiles, monkeypatch):
-    """The dk/dv kernel's other schedules (window.DKDV_SCHEDULE; the default is covered above):
-    rows walked up or down, programs head- or tile-major, all three loop parts run."""
+    """The dk/dv kernel's other schedules (window.DKDV_SCHEDULE; compressed attention's default,
+    rows down and tile-major, is covered above): all three loop parts run under each."""
     from flash_msa.window import window
-    monkeypatch.setattr(window, "DKDV_SCHEDULE", dict(DESC=desc, KEY_MAJOR=key_major))
+    monkeypatch.setattr(window, "DKDV_SCHEDULE", dict(cmp=dict(DESC=desc, KEY_MAJOR=key_major)))
     _check([0, 20, 300, 420], 10, 2, 16, device)

@@ -57,11 +57,15 @@ RANGE_CANDIDATES = {
 }
 TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and register caps were swept in
                    # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md
-                   # the tile table walked from its end: longest tiles first
-                   dict(BT=64, stack=False, tl_sort=True, reverse=True,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
+                   # the tile table walked from its start (before 2026-11-30, second session)
                    dict(BT=64, stack=False, tl_sort=True, reverse=False,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=160))]
+                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
+                   # the overlap map as an fp32 matmul (before the banded fold)
+                   dict(BT=64, stack=False, tl_sort=True, reverse=True, fold=False,
+                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
+                   # the fold without the register cap, and with 8 warps
+                   dict(BT=64, stack=False, tl_sort=True, reverse=True, opts=dict(num_warps=4, num_stages=2)),
+                   dict(BT=64, stack=False, tl_sort=True, reverse=True, opts=dict(num_warps=8, num_stages=2))]
 
 
 def rnd(gen, *shape):  # random bf16, never zero
@@ -112,7 +116,8 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
                                                f"warps={cand['opts']['num_warps']} stages={cand['opts']['num_stages']}"
                                                + (" tl_sort" if cand.get("tl_sort") else " own-sort")
                                                + (f" maxnreg={cand['opts']['maxnreg']}" if "maxnreg" in cand["opts"] else "")
-                                               + (f" reverse={int(cand['reverse'])}" if "reverse" in cand else ""))
+                                               + (f" reverse={int(cand['reverse'])}" if "reverse" in cand else "")
+                                               + (f" fold={int(cand['fold'])}" if "fold" in cand else ""))
         try:
             idx = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
             same = (idx == ref).all(-1).float().mean().item()

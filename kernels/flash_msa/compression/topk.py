@@ -86,7 +86,7 @@ def select_blocks_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, REVERSE: tl.constexpr,
+    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, REVERSE: tl.constexpr, FOLD: tl.constexpr,
 ):
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     if REVERSE:  # the table's last tiles, whose tokens see the most blocks, start first
@@ -142,12 +142,25 @@ def select_blocks_kernel(
                 b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
                 b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
         o_j = j0 + o_nb  # [NB] blocks of the chunk
-        b_w = _overlap(o_c, o_j, BLOCK, STRIDE, SLC)  # [BC, NB]
-        b_sc = tl.dot(b_p, b_w, input_precision="ieee")  # [BT, NB]
-        b_sc += tl.where(o_nb[None, :] == 0, b_carry[:, None], 0.)
-        b_jn = (j0 + NB) * SLC  # first key of the next chunk's first block
-        b_wn = tl.maximum(tl.minimum(o_c * STRIDE + BLOCK, b_jn + SLC) - tl.maximum(o_c * STRIDE, b_jn), 0)
-        b_carry = tl.sum(b_p * (b_wn.to(tl.float32) / BLOCK)[None, :], 1)  # [BT]
+        if FOLD:
+            # the overlap matrix is banded: the R = l'/d tokens starting in block j give it the
+            # share w_in[r] of their keys and spill w_out[r] into block j + 1
+            o_r = tl.arange(0, SLC // STRIDE)
+            w_in = tl.minimum(BLOCK, SLC - o_r * STRIDE).to(tl.float32) / BLOCK  # [R]
+            w_out = tl.maximum(o_r * STRIDE + BLOCK - SLC, 0).to(tl.float32) / BLOCK
+            b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
+            b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
+            b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
+            b_prev = tl.gather(b_out, tl.broadcast_to(tl.maximum(o_nb - 1, 0)[None, :], [BT, NB]), 1)
+            b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
+            b_carry = tl.sum(tl.where(o_nb[None, :] == NB - 1, b_out, 0.), 1)  # [BT]
+        else:
+            b_w = _overlap(o_c, o_j, BLOCK, STRIDE, SLC)  # [BC, NB]
+            b_sc = tl.dot(b_p, b_w, input_precision="ieee")  # [BT, NB]
+            b_sc += tl.where(o_nb[None, :] == 0, b_carry[:, None], 0.)
+            b_jn = (j0 + NB) * SLC  # first key of the next chunk's first block
+            b_wn = tl.maximum(tl.minimum(o_c * STRIDE + BLOCK, b_jn + SLC) - tl.maximum(o_c * STRIDE, b_jn), 0)
+            b_carry = tl.sum(b_p * (b_wn.to(tl.float32) / BLOCK)[None, :], 1)  # [BT]
         # forced and causal blocks
         m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
         b_sc = tl.where(m_forced, float("inf"), b_sc)
@@ -222,13 +235,14 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
     reverse = cfg.get("reverse", False)
+    fold = cfg.get("fold", True)
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
     select_blocks_kernel[(seq.numel(), HK)](
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
-        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, REVERSE=reverse, **opts)
+        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, REVERSE=reverse, FOLD=fold, **opts)
     return out
 
 

@@ -145,16 +145,14 @@ def select_blocks_kernel(
         if FOLD:
             # the overlap matrix is banded: the R = l'/d tokens starting in block j give it the
             # share w_in[r] of their keys and spill w_out[r] into block j + 1
-            o_r = tl.arange(0, SLC // STRIDE)
-            w_in = tl.minimum(BLOCK, SLC - o_r * STRIDE).to(tl.float32) / BLOCK  # [R]
-            w_out = tl.maximum(o_r * STRIDE + BLOCK - SLC, 0).to(tl.float32) / BLOCK
+            o_cr = tl.arange(0, SLC // STRIDE)
+            w_in = tl.minimum(BLOCK, SLC - o_cr * STRIDE).to(tl.float32) / BLOCK  # [R]
+            w_out = tl.maximum(o_cr * STRIDE + BLOCK - SLC, 0).to(tl.float32) / BLOCK
             b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
             b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
             b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
-            # block j receives block j - 1's spill: a shift by one block, as an exact fp32 matmul
-            # with a [NB, NB] shift matrix (a quarter of the work of the overlap matmul)
-            b_shift = (o_nb[:, None] + 1 == o_nb[None, :]).to(tl.float32)
-            b_prev = tl.dot(b_out, b_shift, input_precision="ieee")  # [BT, NB]
+            # block j receives block j - 1's spill (the chunk's first block the carry)
+            b_prev = tl.gather(b_out, tl.broadcast_to(tl.maximum(o_nb - 1, 0)[None, :], [BT, NB]), 1)
             b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
             b_carry = tl.sum(tl.where(o_nb[None, :] == NB - 1, b_out, 0.), 1)  # [BT]
         else:

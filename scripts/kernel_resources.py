@@ -125,8 +125,7 @@ def cases():
             out.append((f"select_blocks{' tl_sort' if tl_sort else ' own-sort'} G={G}", topk.select_blocks_kernel,
                         sig, dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16,
                                   LOG_NB=4, BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"],
-                                  TL_SORT=tl_sort, REVERSE=cfg.get("reverse", False), FOLD=cfg.get("fold", True)),
-                        (), cfg["opts"]))
+                                  TL_SORT=tl_sort), (), cfg["opts"]))
         for kind in ("cmp", "window"):
             tiles = w._tiles(128, torch.device("cuda"), kind)
             for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F)),
@@ -137,8 +136,8 @@ def cases():
                 types = dict(q=B, k=B, v=B, lo=I, hi=I, qlo=I, qhi=I, scale2="fp32", scale="fp32", T="i32", Tk="i32",
                              **extra)
                 bm, bn, opts = tiles[kern]
-                if kern == "dkdv":  # its schedule constexprs, which a tile config may override
-                    opts = {**w.DKDV_SCHEDULE[kind], **opts}
+                if kern == "dkdv":  # its row order, which a tile config may override
+                    opts = {"DESC": w.DKDV_DESC[kind], **opts}
                 const = {n: v for n, v in opts.items() if n.isupper()}
                 opts = {n: v for n, v in opts.items() if not n.isupper()}
                 out.append((f"range_{kern} {kind} G={G}", fn, {n: types[n] for n in names},

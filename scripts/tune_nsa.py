@@ -38,8 +38,6 @@ def cfg(bm, bn, w, s, **sched):
     return (bm, bn, dict(num_warps=w, num_stages=s, **sched))
 
 
-ASC_HEAD = dict(DESC=False, KEY_MAJOR=False)  # the dk/dv schedule before 2026-11-30 (window.DKDV_SCHEDULE)
-DESC_TILE = dict(DESC=True, KEY_MAJOR=True)
 
 
 RANGE_CANDIDATES = {
@@ -47,25 +45,17 @@ RANGE_CANDIDATES = {
             cfg(128, 32, 4, 3), cfg(64, 128, 4, 2)],
     "dq": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 3), cfg(128, 64, 8, 2), cfg(128, 32, 8, 2), cfg(64, 32, 4, 3),
            cfg(128, 64, 8, 3), cfg(128, 128, 8, 2)],
-    # Tiles were swept in tune_h200*.md / tune_h200_dkdv2.log. 2026-11-30, second session: the
-    # schedule (window.DKDV_SCHEDULE): rows upwards or downwards, programs head- or tile-major,
-    # and the larger tiles again under the new schedule
-    "dkdv": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 2, **ASC_HEAD), cfg(64, 64, 4, 2, DESC=True, KEY_MAJOR=False),
-             cfg(64, 64, 4, 2, DESC=False, KEY_MAJOR=True), cfg(64, 64, 4, 2, **DESC_TILE),
-             cfg(64, 128, 8, 3, **DESC_TILE), cfg(128, 64, 8, 2, **DESC_TILE), cfg(32, 64, 4, 3, **DESC_TILE),
-             cfg(64, 64, 4, 3, **DESC_TILE)],
+    # Tiles were swept in tune_h200*.md / tune_h200_dkdv2.log; the schedule (rows up or down,
+    # programs head- or tile-major; window.DKDV_DESC) in tune_h200_dkdv_schedule.md, after which
+    # the head-major order was removed. DESC=0 / DESC=1: the other row order than the kind's.
+    "dkdv": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 2, DESC=False), cfg(64, 64, 4, 2, DESC=True), cfg(128, 64, 8, 2),
+             cfg(64, 64, 4, 3)],
 }
 TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and register caps were swept in
-                   # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md
-                   # the tile table walked from its start (before 2026-11-30, second session)
-                   dict(BT=64, stack=False, tl_sort=True, reverse=False,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
-                   # the overlap map as an fp32 matmul (before the banded fold)
-                   dict(BT=64, stack=False, tl_sort=True, reverse=True, fold=False,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
-                   # the fold without the register cap, and with 8 warps
-                   dict(BT=64, stack=False, tl_sort=True, reverse=True, opts=dict(num_warps=4, num_stages=2)),
-                   dict(BT=64, stack=False, tl_sort=True, reverse=True, opts=dict(num_warps=8, num_stages=2))]
+                   # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md, the overlap fold and the
+                   # tile order in tune_h200_topk_fold.md and tune_h200_dkdv_schedule.md
+                   dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2)),
+                   dict(BT=32, stack=True, tl_sort=True, opts=dict(num_warps=4, num_stages=2, maxnreg=160))]
 
 
 def rnd(gen, *shape):  # random bf16, never zero
@@ -115,9 +105,7 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
         name = "shipped" if cand is None else (f"BT={cand['BT']} stack={int(cand['stack'])} "
                                                f"warps={cand['opts']['num_warps']} stages={cand['opts']['num_stages']}"
                                                + (" tl_sort" if cand.get("tl_sort") else " own-sort")
-                                               + (f" maxnreg={cand['opts']['maxnreg']}" if "maxnreg" in cand["opts"] else "")
-                                               + (f" reverse={int(cand['reverse'])}" if "reverse" in cand else "")
-                                               + (f" fold={int(cand['fold'])}" if "fold" in cand else ""))
+                                               + (f" maxnreg={cand['opts']['maxnreg']}" if "maxnreg" in cand["opts"] else ""))
         try:
             idx = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
             same = (idx == ref).all(-1).float().mean().item()

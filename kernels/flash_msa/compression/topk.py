@@ -9,10 +9,13 @@ blocks, up to the tile's last own block, and for each chunk:
 1. recomputes the scores of its G query heads against the ``BC = NB*l'/d`` compressed rows
    whose blocks start in the chunk, and turns them into probabilities with the
    compressed-attention lse: ``p = exp(s - lse)``, summed over the group in fp32 ([BT, BC]);
-2. maps them to the chunk's blocks with the overlap matrix ``W[c, j] = |keys(c) ∩ block j| / l``
-   (a [BC, NB] fp32 matmul in IEEE precision). A compressed token spills into at most the next
-   block (l <= l'), so the spill of the chunk's last tokens into the next chunk's first block
-   is carried in registers;
+2. maps them to the chunk's blocks with the overlap ``W[c, j] = |keys(c) ∩ block j| / l``,
+   which is banded (l <= l', d | l'): a compressed token gives the block it starts in a fixed
+   share of its keys by its offset there, and spills the rest into the next block only. So the
+   [BT, BC] probabilities are folded per block with two weight vectors and the spill shifted by
+   one block; the spill of the chunk's last block into the next chunk's first is carried in
+   registers. This replaced a [BC, NB] fp32 matmul in IEEE precision, on the CUDA cores: 5.83
+   against 6.93 ms at 64K, 90.8 against 107.4 at 256K (benchmarks/results/tune_h200_topk_fold.md);
 3. forces block 0, the own block and the one before it (+inf), drops blocks after the own
    block, and merges the chunk into the running top-``NB`` list: each (score, block) is packed
    into one int64 key, ``bits(score) << 32 | (2^31 - 1 - block)`` (scores are >= 0, so the
@@ -24,8 +27,8 @@ blocks, up to the tile's last own block, and for each chunk:
 
 Memory is O(T * n) for the output; no [T, T/d] score matrix exists anywhere. The first n keys
 of the list are the top n; they are written ascending by block, -1 padded (the reference
-order). Supports l <= l' (a compressed token spans at most two selection blocks), which
-covers the NSA defaults; other sizes fall back to the PyTorch reference.
+order). Supports l <= l' with l'/d a power of two (a compressed token spans at most two
+selection blocks), which covers the NSA defaults; other sizes fall back to the PyTorch reference.
 """
 from __future__ import annotations
 
@@ -39,15 +42,6 @@ LOG2E = 1.4426950408889634
 # constants read inside kernels must be tl.constexpr globals
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LOW = tl.constexpr(0x7FFFFFFF)
-
-
-@triton.jit
-def _overlap(o_c, o_j, BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr):
-    # fraction of compressed token c's keys [c*d, c*d + l) inside selection block j: [len(o_c), len(o_j)]
-    b_c0 = o_c[:, None] * STRIDE
-    b_j0 = o_j[None, :] * SLC
-    b_inter = tl.minimum(b_c0 + BLOCK, b_j0 + SLC) - tl.maximum(b_c0, b_j0)
-    return tl.maximum(b_inter, 0).to(tl.float32) / BLOCK
 
 
 @triton.jit
@@ -86,11 +80,10 @@ def select_blocks_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, REVERSE: tl.constexpr, FOLD: tl.constexpr,
+    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
 ):
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
-    if REVERSE:  # the table's last tiles, whose tokens see the most blocks, start first
-        i_p = tl.num_programs(0) - 1 - i_p
+    # the table from its end: the tiles whose tokens see the most blocks start first
+    i_p, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     i_s = tl.load(tile_seq + i_p)
     t0 = tl.load(tile_t0 + i_p).to(tl.int64)
     bos = tl.load(cu + i_s).to(tl.int64)
@@ -142,26 +135,18 @@ def select_blocks_kernel(
                 b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
                 b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
         o_j = j0 + o_nb  # [NB] blocks of the chunk
-        if FOLD:
-            # the overlap matrix is banded: the R = l'/d tokens starting in block j give it the
-            # share w_in[r] of their keys and spill w_out[r] into block j + 1
-            o_cr = tl.arange(0, SLC // STRIDE)
-            w_in = tl.minimum(BLOCK, SLC - o_cr * STRIDE).to(tl.float32) / BLOCK  # [R]
-            w_out = tl.maximum(o_cr * STRIDE + BLOCK - SLC, 0).to(tl.float32) / BLOCK
-            b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
-            b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
-            b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
-            # block j receives block j - 1's spill (the chunk's first block the carry)
-            b_prev = tl.gather(b_out, tl.broadcast_to(tl.maximum(o_nb - 1, 0)[None, :], [BT, NB]), 1)
-            b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
-            b_carry = tl.sum(tl.where(o_nb[None, :] == NB - 1, b_out, 0.), 1)  # [BT]
-        else:
-            b_w = _overlap(o_c, o_j, BLOCK, STRIDE, SLC)  # [BC, NB]
-            b_sc = tl.dot(b_p, b_w, input_precision="ieee")  # [BT, NB]
-            b_sc += tl.where(o_nb[None, :] == 0, b_carry[:, None], 0.)
-            b_jn = (j0 + NB) * SLC  # first key of the next chunk's first block
-            b_wn = tl.maximum(tl.minimum(o_c * STRIDE + BLOCK, b_jn + SLC) - tl.maximum(o_c * STRIDE, b_jn), 0)
-            b_carry = tl.sum(b_p * (b_wn.to(tl.float32) / BLOCK)[None, :], 1)  # [BT]
+        # the overlap map is banded: the R = l'/d tokens starting in block j give it the share
+        # w_in[r] of their keys and spill w_out[r] into block j + 1
+        o_cr = tl.arange(0, SLC // STRIDE)
+        w_in = tl.minimum(BLOCK, SLC - o_cr * STRIDE).to(tl.float32) / BLOCK  # [R]
+        w_out = tl.maximum(o_cr * STRIDE + BLOCK - SLC, 0).to(tl.float32) / BLOCK
+        b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
+        b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
+        b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
+        # block j receives block j - 1's spill (the chunk's first block the carry)
+        b_prev = tl.gather(b_out, tl.broadcast_to(tl.maximum(o_nb - 1, 0)[None, :], [BT, NB]), 1)
+        b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
+        b_carry = tl.sum(tl.where(o_nb[None, :] == NB - 1, b_out, 0.), 1)  # [BT]
         # forced and causal blocks
         m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
         b_sc = tl.where(m_forced, float("inf"), b_sc)
@@ -223,7 +208,8 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     """
     T, HQ, D = q.shape
     HK = k_cmp.shape[1]
-    if block > slc_block or slc_block % stride != 0:
+    r = slc_block // stride
+    if block > slc_block or slc_block % stride != 0 or r & (r - 1):  # the kernel needs R = l'/d a power of 2
         from flash_msa import reference
         return reference.select_blocks(q, k_cmp, lse, cu_seqlens, cu_cmp, block, stride, slc_block, topk, scale)
     q, k_cmp, lse = q.detach().contiguous(), k_cmp.detach().contiguous(), lse.detach().float().contiguous()
@@ -235,15 +221,13 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     cfg.update(LAUNCH_OVERRIDE)
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
-    reverse = cfg.get("reverse", False)
-    fold = cfg.get("fold", True)
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
     select_blocks_kernel[(seq.numel(), HK)](
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
-        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, REVERSE=reverse, FOLD=fold, **opts)
+        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, **opts)
     return out
 
 
@@ -259,13 +243,11 @@ def _launch(device) -> dict:
         # our network under the CPU interpreter: Triton's runs 7.7x slower there (181 against 24 s
         # for the top-k tests); tests/kernels/compression/test_topk.py checks that both pick the
         # same blocks, bit for bit
-        return dict(BT=32, stack=False, reverse=True, opts={})
+        return dict(BT=32, stack=False, opts={})
     # benchmarks/results/tune_h200_topk_sort.md: Triton's sort network with 64 tokens per program,
     # one matmul per head, wins at every group size measured: 8.05 ms against 8.49 (our network,
     # stacked heads) at 64K and 123.3 against 130.3 at 256K for G=4; 8.57 against 9.80 at 64K for
     # G=5 (tune_h200_qwen3_topk_sort.json). Capped at 160 registers (197 uncapped) it runs 3
     # programs per SM instead of 2, at 12 spill instructions: 7.17 against 8.09 ms at 64K and
     # 108.5 against 123.3 at 256K for G=4, 7.93 against 8.64 for G=5 (tune_h200_topk_maxnreg.md)
-    # The tile table walked from its end (longest tiles first, so the last wave is short): 6.88
-    # against 7.16 ms at 64K, 107.3 against 108.5 at 256K (tune_h200_dkdv_schedule.md).
-    return dict(BT=64, stack=False, tl_sort=True, reverse=True, opts=dict(num_warps=4, num_stages=2, maxnreg=160))
+    return dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2, maxnreg=160))

@@ -24,7 +24,7 @@ G (1..16, 5 included) packs densely.
 Backward: dq per query tile, dk/dv per key tile, no atomics, so it is deterministic. The
 dk/dv programs are ordered key tile-major, and for compressed attention each walks its query
 rows from the last down, so that the programs running together read the same q/do rows
-(``DKDV_SCHEDULE``).
+(``DKDV_DESC``).
 Scores are kept in log2 units inside the kernels; ``lse`` is returned in natural log.
 
 Reads bottom-up: kernels -> host launchers -> autograd Function -> public functions.
@@ -237,16 +237,11 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, 
 def range_attn_bwd_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, KEY_MAJOR: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr,
 ):
-    # one program per (key tile, KV head), a 1-D grid; KEY_MAJOR orders it tile-major (the KV
-    # heads of a tile are neighbours) instead of head-major, see DKDV_SCHEDULE
-    i_p = tl.program_id(0)
-    if KEY_MAJOR:
-        i_n, i_h = i_p // HK, i_p % HK
-    else:
-        n_tiles = tl.cdiv(Tk, BN)
-        i_n, i_h = i_p % n_tiles, i_p // n_tiles
+    # one program per (key tile, KV head), a 1-D grid ordered tile-major (the KV heads of a tile
+    # are neighbours), see DKDV_DESC
+    i_n, i_h = tl.program_id(0) // HK, tl.program_id(0) % HK
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < Tk
     o_d = tl.arange(0, BD)
@@ -299,16 +294,16 @@ def range_attn_bwd_dkdv_kernel(
     tl.store(dv + o_kv, b_dv.to(dv.dtype.element_ty), mask=m_kv)
 
 
-# Schedule of the dk/dv kernel per kind (a tile config's launch options may override it): DESC
-# walks each program's query rows from the last down, KEY_MAJOR orders the programs key
-# tile-major. Before (rows upwards, head-major), compressed attention's dk/dv read q/do at a 4%
-# L2 hit rate (benchmarks/results/ncu_nsa_64k_h200/range_attn_bwd_dkdv_kernel.txt), and at 64K
-# its 512 programs of falling length ran head after head, longest of the last heads last.
-# Whole backward, H200 bf16 (benchmarks/results/tune_h200_dkdv_schedule.md), before -> now:
-# compressed 20.88 -> 15.84 ms at 64K and 262.7 -> 251.6 at 256K; the window, whose key tiles see
-# equal short ranges, gains only from the tile-major order (rows downwards cost it 6% at 256K):
+# dk/dv schedule. The programs run key tile-major, and per kind DESC walks each program's query
+# rows from the last down (a tile config's launch options may override it). Before (rows
+# upwards, head after head), compressed attention's dk/dv read q/do at a 4% L2 hit rate
+# (benchmarks/results/ncu_nsa_64k_h200/range_attn_bwd_dkdv_kernel.txt), and at 64K its 512
+# programs of falling length ran head after head, the longest of the last heads last. Whole
+# backward, H200 bf16 (benchmarks/results/tune_h200_dkdv_schedule.md), before -> now: compressed
+# 20.88 -> 15.84 ms at 64K and 262.7 -> 251.6 at 256K; the window, whose key tiles see equal
+# short ranges, gains only from the tile-major order (rows downwards cost it 6% at 256K):
 # 5.41 -> 5.10 ms at 64K, 22.06 -> 20.75 at 256K.
-DKDV_SCHEDULE = {"cmp": dict(DESC=True, KEY_MAJOR=True), "window": dict(DESC=False, KEY_MAJOR=True)}
+DKDV_DESC = {"cmp": True, "window": False}
 
 # Launch tiles per kernel: {"fwd" | "dq" | "dkdv": (BM, BN, launch options)}. Entries here
 # replace the defaults of _tiles; tests use them to force small tiles and scripts/tune_nsa.py
@@ -374,7 +369,7 @@ def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: floa
         BM, BN, opts = cfg["dkdv"]
         range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN) * HK,)](
             q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale * LOG2E, scale, T, Tk,
-            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **{**DKDV_SCHEDULE[kind], **opts})
+            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **{"DESC": DKDV_DESC[kind], **opts})
     return dq, dk, dv
 
 

@@ -76,11 +76,10 @@ def test_compressed_attention_interior_tiles(group, device, small_range_tiles):
     _check([0, 20, 300, 420], HQ, HK, 16, device)
 
 
-@pytest.mark.parametrize("desc,key_major", [(False, False), (True, False), (False, True)],
-                         ids=["up-head-major", "down-head-major", "up-tile-major"])
-def test_compressed_attention_dkdv_schedules(desc, key_major, device, small_range_tiles, monkeypatch):
-    """The dk/dv kernel's other schedules (window.DKDV_SCHEDULE; compressed attention's default,
-    rows down and tile-major, is covered above): all three loop parts run under each."""
+
+def test_compressed_attention_dkdv_rows_upwards(device, small_range_tiles, monkeypatch):
+    """The dk/dv kernel walking its query rows upwards (the window's order, window.DKDV_DESC;
+    compressed attention walks them downwards, covered above): all three loop parts run."""
     from flash_msa.window import window
-    monkeypatch.setattr(window, "DKDV_SCHEDULE", dict(cmp=dict(DESC=desc, KEY_MAJOR=key_major)))
+    monkeypatch.setattr(window, "DKDV_DESC", dict(cmp=False))
     _check([0, 20, 300, 420], 10, 2, 16, device)

@@ -116,20 +116,3 @@ def test_select_blocks_sort_networks_agree(stack, device, monkeypatch):
         picked.append(_check([0, 5, 300, 420], 10, 2, 16, 4, 32, device))
     assert torch.equal(picked[0], picked[1])
 
-
-def test_select_blocks_reversed_tile_order(device, monkeypatch):
-    """Walking the tile table from its end (the GPU default) picks the same blocks bit for bit."""
-    from flash_msa.compression import topk
-    picked = []
-    for reverse in (False, True):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, stack=False, reverse=reverse))
-        torch.manual_seed(0)
-        picked.append(_check([0, 5, 300, 420], 10, 2, 16, 4, 32, device))
-    assert torch.equal(picked[0], picked[1])
-
-
-def test_select_blocks_overlap_as_matmul(device, monkeypatch):
-    """The overlap map as an fp32 matmul (``fold=False``) instead of the banded fold."""
-    from flash_msa.compression import topk
-    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, stack=False, fold=False))
-    _check([0, 5, 300, 420], 10, 2, 16, 4, 32, device)

@@ -38,8 +38,6 @@ def cfg(bm, bn, w, s, **sched):
     return (bm, bn, dict(num_warps=w, num_stages=s, **sched))
 
 
-
-
 RANGE_CANDIDATES = {
     "fwd": [cfg(128, 64, 8, 2), cfg(128, 64, 8, 3), cfg(128, 64, 4, 3), cfg(128, 128, 8, 2), cfg(64, 64, 4, 3),
             cfg(128, 32, 4, 3), cfg(64, 128, 4, 2)],

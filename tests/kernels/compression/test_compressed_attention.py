@@ -76,7 +76,6 @@ def test_compressed_attention_interior_tiles(group, device, small_range_tiles):
     _check([0, 20, 300, 420], HQ, HK, 16, device)
 
 
-
 def test_compressed_attention_dkdv_rows_upwards(device, small_range_tiles, monkeypatch):
     """The dk/dv kernel walking its query rows upwards (the window's order, window.DKDV_DESC;
     compressed attention walks them downwards, covered above): all three loop parts run."""

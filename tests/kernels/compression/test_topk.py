@@ -116,3 +116,10 @@ def test_select_blocks_sort_networks_agree(stack, device, monkeypatch):
         picked.append(_check([0, 5, 300, 420], 10, 2, 16, 4, 32, device))
     assert torch.equal(picked[0], picked[1])
 
+
+@pytest.mark.parametrize("l,d,lp", [(32, 16, 32), (32, 32, 32), (16, 16, 64), (8, 16, 32), (32, 16, 48)],
+                         ids=["R2", "R1", "R4-l16", "l<d", "R3-reference"])
+def test_select_blocks_across_chunks(l, d, lp, device):
+    """Sequences of more than one chunk of 16 blocks, so the overlap spill is carried from chunk to
+    chunk, for several l'/d (a non-power of two runs the reference)."""
+    _check([0, 40, 1200], 4, 2, 16, 4, lp, device, l=l, d=d)

@@ -136,9 +136,7 @@ def cases():
                 types = dict(q=B, k=B, v=B, lo=I, hi=I, qlo=I, qhi=I, scale2="fp32", scale="fp32", T="i32", Tk="i32",
                              **extra)
                 bm, bn, opts = tiles[kern]
-                if kern == "dkdv":  # its row order, which a tile config may override
-                    opts = {"DESC": w.DKDV_DESC[kind], **opts}
-                const = {n: v for n, v in opts.items() if n.isupper()}
+                const = {n: v for n, v in opts.items() if n.isupper()}  # dk/dv's row order
                 opts = {n: v for n, v in opts.items() if not n.isupper()}
                 out.append((f"range_{kern} {kind} G={G}", fn, {n: types[n] for n in names},
                             dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BM=bm, BN=bn, **const), ("T", "Tk"), opts))

@@ -113,6 +113,13 @@ def select_blocks_kernel(
         t_rrel = (o_rt - bos).to(tl.int32)
         n_vis_r = tl.where(m_r & (t_rrel >= BLOCK - 1), (t_rrel - BLOCK + 1) // STRIDE + 1, 0)  # [BT*GP]
 
+    # the overlap map is banded: the R = l'/d tokens starting in block j give it the share w_in[r]
+    # of their keys and spill w_out[r] into block j + 1, which takes it from column j - 1 (o_prev)
+    o_cr = tl.arange(0, SLC // STRIDE)
+    w_in = tl.minimum(BLOCK, SLC - o_cr * STRIDE).to(tl.float32) / BLOCK  # [R]
+    w_out = tl.maximum(o_cr * STRIDE + BLOCK - SLC, 0).to(tl.float32) / BLOCK
+    o_prev = tl.broadcast_to(tl.maximum(o_nb - 1, 0)[None, :], [BT, NB])
+
     b_top = tl.full([BT, NB], -1, dtype=tl.int64)  # running top-NB keys, descending
     b_carry = tl.zeros([BT], dtype=tl.float32)  # spill of the previous chunk into this chunk's first block
     for j0 in range(0, own_max + 1, NB):
@@ -135,16 +142,11 @@ def select_blocks_kernel(
                 b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
                 b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
         o_j = j0 + o_nb  # [NB] blocks of the chunk
-        # the overlap map is banded: the R = l'/d tokens starting in block j give it the share
-        # w_in[r] of their keys and spill w_out[r] into block j + 1
-        o_cr = tl.arange(0, SLC // STRIDE)
-        w_in = tl.minimum(BLOCK, SLC - o_cr * STRIDE).to(tl.float32) / BLOCK  # [R]
-        w_out = tl.maximum(o_cr * STRIDE + BLOCK - SLC, 0).to(tl.float32) / BLOCK
         b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
         b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
         b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
         # block j receives block j - 1's spill (the chunk's first block the carry)
-        b_prev = tl.gather(b_out, tl.broadcast_to(tl.maximum(o_nb - 1, 0)[None, :], [BT, NB]), 1)
+        b_prev = tl.gather(b_out, o_prev, 1)
         b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
         b_carry = tl.sum(tl.where(o_nb[None, :] == NB - 1, b_out, 0.), 1)  # [BT]
         # forced and causal blocks

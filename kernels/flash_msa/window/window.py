@@ -295,7 +295,7 @@ def range_attn_bwd_dkdv_kernel(
 
 
 # dk/dv schedule. The programs run key tile-major, and per kind DESC walks each program's query
-# rows from the last down (a tile config's launch options may override it). Before (rows
+# rows from the last down (_tiles adds it to the dk/dv launch options unless a config sets it). Before (rows
 # upwards, head after head), compressed attention's dk/dv read q/do at a 4% L2 hit rate
 # (benchmarks/results/ncu_nsa_64k_h200/range_attn_bwd_dkdv_kernel.txt), and at 64K its 512
 # programs of falling length ran head after head, the longest of the last heads last. Whole
@@ -327,6 +327,8 @@ def _tiles(D: int, device, kind: str) -> dict:
         cfg = dict(fwd=(128, 32, dict(num_warps=4, num_stages=3)), dq=(128, 64, dict(num_warps=8, num_stages=3)),
                    dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
     cfg.update(TILE_OVERRIDE)
+    bm, bn, opts = cfg["dkdv"]
+    cfg["dkdv"] = (bm, bn, {"DESC": DKDV_DESC[kind], **opts})  # the kind's row order unless the config sets one
     return dict(BD=BD, **cfg)
 
 
@@ -369,7 +371,7 @@ def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: floa
         BM, BN, opts = cfg["dkdv"]
         range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN) * HK,)](
             q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale * LOG2E, scale, T, Tk,
-            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **{"DESC": DKDV_DESC[kind], **opts})
+            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **opts)
     return dq, dk, dv
 
 

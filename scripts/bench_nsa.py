@@ -175,6 +175,18 @@ def bench_model(name, T, args, device, row):
     row["nsa_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
     row["nsa_peak_mib"] = peak_mib(fwd_bwd)
     save(args)
+    if args.compare_composed:
+        # the same op through one autograd Function per branch and the gates (flash_msa/fused.py
+        # replaces them), timed side by side in this run
+        fused, TB.fused = TB.fused, None
+        try:
+            with torch.no_grad():
+                row["composed_fwd_ms"] = timer(fwd, T, args)
+            row["composed_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
+            row["composed_peak_mib"] = peak_mib(fwd_bwd)
+        finally:
+            TB.fused = fused
+        save(args)
 
     if T <= args.breakdown_max_t:
         qf, kf, vf = q[0], k[0], v[0]
@@ -293,6 +305,16 @@ def write_markdown(res, path):
             _f(r.get("speedup_vs_cudnn"), 2), _f(r.get("speedup_vs_flash"), 2),
             _f(r.get("nsa_peak_mib"), 0), _f(r.get("cudnn_peak_mib"), 0),
             *[_f(r.get(f"{b}_ms")) for b in BRANCH_NAMES], _f(r.get("branch_sum_ms")), str(r.get("selected_impl", "-"))]) + " |")
+    composed = [r for r in res["rows"] if r.get("composed_fwd_bwd_ms")]
+    if composed:
+        lines += ["", "The same op composed of one autograd Function per branch and the gates (`--compare-composed`, "
+                  "same run), against the shipped single Function (flash_msa/fused.py):", "",
+                  "| model | T | composed fwd | composed f+b | shipped f+b | composed peak | shipped peak |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in composed:
+            lines.append("| " + " | ".join([r["model"], str(r["T"]), _f(r.get("composed_fwd_ms")),
+                                             _f(r.get("composed_fwd_bwd_ms")), _f(r.get("nsa_fwd_bwd_ms")),
+                                             _f(r.get("composed_peak_mib"), 0), _f(r.get("nsa_peak_mib"), 0)]) + " |")
     lines += ["", "Correctness (at the check size, vs the fp32 reference; relative RMS, top-k rows identical):", ""]
     for m, c in res.get("checks", {}).items():
         lines.append(f"- {m}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()))
@@ -356,6 +378,8 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=300.0, help="start no new T after this many seconds")
     p.add_argument("--plot-only", default=None)
+    p.add_argument("--compare-composed", action="store_true",
+                   help="also time the whole op as one autograd Function per branch (before flash_msa/fused.py)")
     p.add_argument("--dense-from", default=None,
                    help="take the dense SDPA rows from an earlier nsa_h200.json (same machine kind) instead of re-timing them")
     args = p.parse_args()

@@ -117,7 +117,7 @@ def cases():
                     dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G)), (), nsa_opts))
         sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dq=B, block_indices=I, tok_start=I, scale2="fp32", scale="fp32")
         out.append((f"nsa_bwd_dq G={G}", nsa.nsa_bwd_dq_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G)), (), nsa_opts))
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G), ACC=False), (), nsa_opts))
         sig = dict(q=B, k=B, lse=F, cu=I, cu_cmp=I, tile_seq=I, tile_t0=I, out=I, scale2="fp32")
         cfg = topk._launch(torch.device("cuda"))
         shipped = cfg.get("tl_sort", False)
@@ -137,6 +137,8 @@ def cases():
                              **extra)
                 bm, bn, opts = tiles[kern]
                 const = {n: v for n, v in opts.items() if n.isupper()}  # dk/dv's row order
+                if kern == "dq":  # the whole op (flash_msa/fused.py): the window adds to compressed attention's dq
+                    const["ACC"] = kind == "window"
                 opts = {n: v for n, v in opts.items() if not n.isupper()}
                 out.append((f"range_{kern} {kind} G={G}", fn, {n: types[n] for n in names},
                             dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BM=bm, BN=bn, **const), ("T", "Tk"), opts))

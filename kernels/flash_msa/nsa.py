@@ -78,6 +78,12 @@ def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
     (kw, kp, kj), (vw, vp, vj) = k_cmp, v_cmp
     k_cmp, cu_cmp = branches.compress(k, kw, kp, cu, cmp_block, cmp_stride, proj=kj)
     v_cmp, _ = branches.compress(v, vw, vp, cu, cmp_block, cmp_stride, proj=vj)
+    fused = getattr(branches, "fused", None)  # the three branches and gates in one autograd Function
+    if fused is not None:
+        impl = fused.impl(q, k, slc_block, slc_topk, selected_impl)
+        if impl is not None:
+            return fused.attention(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, cmp_block, cmp_stride, slc_block,
+                                   slc_topk, window, scale, impl)
     o_cmp, lse = branches.compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, cmp_block, cmp_stride, scale)
     idx = branches.select_blocks(q.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp,
                                  cmp_block, cmp_stride, slc_block, slc_topk, scale)  # [T, HK, n]

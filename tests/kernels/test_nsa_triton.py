@@ -34,14 +34,31 @@ def _inputs(cu_list, HQ, HK, D, l, device, dtype):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_nsa_triton_matches_reference(case, device):
+    _check_against_reference(case, device)
+
+
+# the interpreter evaluates both sides of tl.where: log2(0) and -inf - -inf, then discarded
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning",
+                            "ignore:invalid value encountered in subtract:RuntimeWarning")
+def test_nsa_triton_gates_zero_and_one(device):
+    """Gates of exactly 0 and 1: the fused backward runs each branch with lse - log(gate), +inf
+    at a zero gate (flash_msa/fused.py), next to rows that see no compressed token (lse -inf)."""
+    _check_against_reference("varlen-G5", device, gate_values=(0.0, 1.0))
+
+
+def _check_against_reference(case, device, gate_values=()):
     cu_list, HQ, HK, D, sizes = CASES[case]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tol = 1e-4 if device == "cpu" else 1e-2
     cu, leaves = _inputs(cu_list, HQ, HK, D, sizes["cmp_block"], device, dtype)
     q, k, v, gates, kw, kp, vw, vp, kj, vj = leaves
+    with torch.no_grad():
+        for i, value in enumerate(gate_values):  # every third gate (by position) gets the value
+            gates.view(-1)[i::3 * len(gate_values)] = value
     scale = D ** -0.5
     o_ref, idx_ref = reference.nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=scale,
                                              return_indices=True, k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
+    selected = None
     if device == "cuda":
         o = nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=scale, impl="auto",
                           k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
@@ -52,6 +69,9 @@ def test_nsa_triton_matches_reference(case, device):
         o = _compose(BRANCHES["triton"], q[0], k[0], v[0], gates[0], (kw, kp, kj), (vw, vp, vj), cu,
                      sizes["cmp_block"], sizes["cmp_stride"], sizes["slc_block"], sizes["slc_topk"],
                      sizes["window"], scale, selected).view(1, T, HQ, D)
+    if device == "cuda" or selected != "reference":
+        # the branches and gates ran as one autograd Function (flash_msa/fused.py)
+        assert "NSAAttentionFunction" in o.grad_fn.next_functions[0][0].name()
     assert_close("o", o, o_ref, tol)
     do = torch.randn_like(o)
     grads = torch.autograd.grad(o, leaves, do)

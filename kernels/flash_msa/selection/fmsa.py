@@ -284,8 +284,9 @@ def fmsa_bwd_dkdv_reduce_kernel(
 def fmsa_bwd_dq_kernel(
     dqp, dq, block_indices, tok_start, c0, hk0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BG: tl.constexpr, HKG: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr, HKG: tl.constexpr, ACC: tl.constexpr,
 ):
+    # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32
     i_t = c0 + tl.program_id(0).to(tl.int64)
     i_hk = hk0 + tl.program_id(1)
     if i_t >= T:
@@ -302,6 +303,8 @@ def fmsa_bwd_dq_kernel(
         o_p = (o_row + i_s) * G + o_g
         b_dq += tl.load(dqp + o_p[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
     o_h = i_t * HQ + i_hk * G + o_g
+    if ACC:
+        b_dq += tl.load(dq + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.).to(tl.float32)
     tl.store(dq + o_h[:, None] * D + o_d[None, :], b_dq.to(dq.dtype.element_ty), mask=m_g[:, None])
 
 
@@ -446,8 +449,10 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
 
 
 def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial: Optional[torch.Tensor],
-                  HKG: int, block_indices: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None):
-    """dk, dv (dtype of k) by KV block. With ``dq_partial`` also dq (into ``dq``), partition by partition."""
+                  HKG: int, block_indices: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None,
+                  dq_acc: bool = False):
+    """dk, dv (dtype of k) by KV block. With ``dq_partial`` also dq (into ``dq``; added to what it
+    holds with ``dq_acc``), partition by partition."""
     T, HQ, D = q.shape
     HK, S = k.shape[1], csr.S
     G = HQ // HK
@@ -483,46 +488,62 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
         if write_dq:
             fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
                 dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG)
+                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc)
         if i_c == csr.num_chunks - 1:  # these KV heads are done
             dk[:, hk0:hk0 + HKG].copy_(dk_acc)
             dv[:, hk0:hk0 + HKG].copy_(dv_acc)
     return dk, dv
 
 
+def fmsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: float,
+                 chunk_size: Optional[int] = None, heads: Optional[int] = None):
+    """(o, lse, (csr, HKG)) on flat [T, H, D] inputs: the forward and what its backward needs."""
+    T, HQ, D = q.shape
+    HK, S = k.shape[1], block_indices.shape[-1]
+    if chunk_size is None:
+        chunk_size, HKG = default_partition(T, HQ, HK, S, D, q.element_size(), heads)
+    else:
+        HKG = partition_heads(T, HK, chunk_size, heads)
+    rows = partition_rows(T, chunk_size, HKG, HQ // HK, S)
+    if rows >= 2 ** 31:  # the kernels index partial rows in int32
+        raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
+                         "(chunk * KV heads per partition * G * S); it must be < 2^31")
+    meta = get_block_meta(cu_seqlens, T, block_size)
+    csr = build_selection_csr(block_indices, meta, chunk_size)
+    o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale, HKG)
+    return o, lse, (csr, HKG)
+
+
+def fmsa_backward(q, k, v, lse, block_indices, state, scale: float, do, delta, dq: Optional[torch.Tensor] = None):
+    """(dq, dk, dv) from :func:`fmsa_forward`'s lse (log2) and state, with delta = rowsum(o * do).
+    A given ``dq`` holds other branches' dq, which this adds to (flash_msa/fused.py)."""
+    csr, HKG = state
+    T, HQ, D = q.shape
+    acc = dq is not None
+    if not acc:
+        dq = torch.empty_like(q)
+    # bf16/fp16 partials for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
+    rows = partition_rows(T, csr.chunk_size, HKG, HQ // k.shape[1], csr.S)
+    dq_partial = torch.empty(rows, D, device=q.device, dtype=q.dtype)
+    dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, HKG, block_indices, dq, dq_acc=acc)
+    return dq, dk, dv
+
+
 class FMSASelectedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale, chunk_size, heads):
-        T, HQ, D = q.shape
-        HK, S = k.shape[1], block_indices.shape[-1]
-        if chunk_size is None:
-            chunk_size, HKG = default_partition(T, HQ, HK, S, D, q.element_size(), heads)
-        else:
-            HKG = partition_heads(T, HK, chunk_size, heads)
-        rows = partition_rows(T, chunk_size, HKG, HQ // HK, S)
-        if rows >= 2 ** 31:  # the kernels index partial rows in int32
-            raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
-                             "(chunk * KV heads per partition * G * S); it must be < 2^31")
-        meta = get_block_meta(cu_seqlens, T, block_size)
-        csr = build_selection_csr(block_indices, meta, chunk_size)
-        o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale, HKG)
+        o, lse, state = fmsa_forward(q, k, v, block_indices, block_size, cu_seqlens, scale, chunk_size, heads)
         ctx.save_for_backward(q, k, v, o, lse, block_indices)
-        ctx.csr, ctx.scale, ctx.HKG = csr, scale, HKG
+        ctx.state, ctx.scale = state, scale
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, block_indices = ctx.saved_tensors
-        csr, scale, HKG = ctx.csr, ctx.scale, ctx.HKG
-        T, HQ, D = q.shape
         do = do.contiguous()
         delta = attention_delta(o, do)  # [T, HQ]
-        dq = torch.empty_like(q)
-        # bf16/fp16 partials for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
-        rows = partition_rows(T, csr.chunk_size, HKG, HQ // k.shape[1], csr.S)
-        dq_partial = torch.empty(rows, D, device=q.device, dtype=q.dtype)
-        dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, HKG, block_indices, dq)
+        dq, dk, dv = fmsa_backward(q, k, v, lse, block_indices, ctx.state, ctx.scale, do, delta)
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -75,8 +75,9 @@ def nsa_fwd_kernel(
 def nsa_bwd_dq_kernel(
     q, k, v, do, lse, delta, dq, block_indices, tok_start, scale2, scale,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BG: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr, ACC: tl.constexpr,
 ):
+    # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32
     i_t, i_hk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     b_start = tl.load(tok_start + i_t).to(tl.int64)
     own = (i_t - b_start) // BS
@@ -98,7 +99,10 @@ def nsa_bwd_dq_kernel(
             b_dp = tl.dot(b_do, tl.trans(b_v))  # [BG, BS]
             b_ds = b_p * (b_dp - b_delta[:, None])
             b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
-    tl.store(dq + o_h[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_g[:, None])
+    b_dq = b_dq * scale
+    if ACC:
+        b_dq += tl.load(dq + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.).to(tl.float32)
+    tl.store(dq + o_h[:, None] * D + o_d[None, :], b_dq.to(dq.dtype.element_ty), mask=m_g[:, None])
 
 
 def _group_rows(G: int) -> int:
@@ -124,24 +128,44 @@ def nsa_fwd(q, k, v, block_indices, meta, scale):
     return o, lse
 
 
-def nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale):
+def nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale, dq=None):
+    """dq; a given ``dq`` is added to (see :func:`nsa_backward`)."""
     T, HQ, D = q.shape
     HK, S = k.shape[1], block_indices.shape[-1]
-    dq = torch.empty_like(q)
+    acc = dq is not None
+    if not acc:
+        dq = torch.empty_like(q)
     nsa_bwd_dq_kernel[(T, HK)](
         q, k, v, do, lse, delta, dq, block_indices, meta.tok_start, scale * LOG2E, scale,
-        HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK),
+        HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK), ACC=acc,
         num_stages=_stages(meta.block_size, D))
     return dq
+
+
+def nsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: float):
+    """(o, lse, meta) on flat [T, H, D] inputs: the forward and what its backward needs."""
+    meta = get_block_meta(cu_seqlens, q.shape[0], block_size)
+    o, lse = nsa_fwd(q, k, v, block_indices, meta, scale)
+    return o, lse, meta
+
+
+def nsa_backward(q, k, v, lse, block_indices, meta, scale: float, do, delta, dq: Optional[torch.Tensor] = None):
+    """(dq, dk, dv) from :func:`nsa_forward`'s lse (log2) and meta, with delta = rowsum(o * do).
+    A given ``dq`` holds other branches' dq, which this adds to (flash_msa/fused.py)."""
+    dq = nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale, dq)
+    # dk, dv: KV-block-centric; partitions bound the buffer of split keys' segments
+    T, HQ, D = q.shape
+    chunk, heads = _fmsa.default_partition(T, HQ, k.shape[1], block_indices.shape[-1], D, q.element_size())
+    csr = build_selection_csr(block_indices, meta, chunk)
+    dk, dv = _fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, None, heads)
+    return dq, dk, dv
 
 
 class NSASelectedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale):
-        T = q.shape[0]
-        meta = get_block_meta(cu_seqlens, T, block_size)
-        o, lse = nsa_fwd(q, k, v, block_indices, meta, scale)
+        o, lse, meta = nsa_forward(q, k, v, block_indices, block_size, cu_seqlens, scale)
         ctx.save_for_backward(q, k, v, o, lse, block_indices)
         ctx.meta, ctx.scale = meta, scale
         return o
@@ -149,15 +173,9 @@ class NSASelectedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, block_indices = ctx.saved_tensors
-        meta, scale = ctx.meta, ctx.scale
         do = do.contiguous()
         delta = _fmsa.attention_delta(o, do)  # [T, HQ]
-        dq = nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale)
-        # dk, dv: KV-block-centric; partitions bound the buffer of split keys' segments
-        T, HQ, D = q.shape
-        chunk, heads = _fmsa.default_partition(T, HQ, k.shape[1], block_indices.shape[-1], D, q.element_size())
-        csr = build_selection_csr(block_indices, meta, chunk)
-        dk, dv = _fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, None, heads)
+        dq, dk, dv = nsa_backward(q, k, v, lse, block_indices, ctx.meta, ctx.scale, do, delta)
         return dq, dk, dv, None, None, None, None
 
 

@@ -171,8 +171,9 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, 
 def range_attn_bwd_dq_kernel(
     q, k, v, do, lse, delta, dq, lo, hi, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr,
 ):
+    # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32
     i_m, i_h = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
     m_m = o_m < T * G
@@ -197,7 +198,10 @@ def range_attn_bwd_dq_kernel(
         b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, False)
     for n0 in range(b, n_end, BN):
         b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
-    tl.store(dq + o_qd, (b_dq * scale).to(dq.dtype.element_ty), mask=m_qd)
+    b_dq = b_dq * scale
+    if ACC:
+        b_dq += tl.load(dq + o_qd, mask=m_qd, other=0.).to(tl.float32)
+    tl.store(dq + o_qd, b_dq.to(dq.dtype.element_ty), mask=m_qd)
 
 
 @triton.jit
@@ -347,26 +351,34 @@ def range_attention_fwd(q, k, v, lo, hi, scale: float, kind: str = "window"):
     return o, lse
 
 
-def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: float, kind: str = "window"):
-    """Gradients (dq, dk, dv) of range attention; dlse (or None) is the gradient of lse."""
+def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: float, kind: str = "window", *,
+                        delta: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None):
+    """Gradients (dq, dk, dv) of range attention; dlse (or None) is the gradient of lse.
+
+    ``delta`` ([T, HQ] fp32, rowsum(o * do) - dlse) may be given, then ``o`` and ``dlse`` are not
+    read; a given ``dq`` holds other branches' dq, which this adds to (flash_msa/fused.py).
+    """
     T, HQ, D = q.shape
     Tk, HK = k.shape[:2]
     G = HQ // HK
     cfg = _tiles(D, q.device, kind)
     BD = cfg["BD"]
-    delta = torch.empty(T, HQ, dtype=torch.float32, device=q.device)
-    if dlse is None:
-        dlse = torch.zeros(T, HQ, dtype=torch.float32, device=q.device)
-    BR = 64
-    range_attn_bwd_preprocess_kernel[(triton.cdiv(T * HQ, BR),)](
-        o, do, dlse.float().contiguous(), delta, T * HQ, D=D, BD=BD, BR=BR)
-    dq = torch.empty_like(q)
+    if delta is None:
+        delta = torch.empty(T, HQ, dtype=torch.float32, device=q.device)
+        if dlse is None:
+            dlse = torch.zeros(T, HQ, dtype=torch.float32, device=q.device)
+        BR = 64
+        range_attn_bwd_preprocess_kernel[(triton.cdiv(T * HQ, BR),)](
+            o, do, dlse.float().contiguous(), delta, T * HQ, D=D, BD=BD, BR=BR)
+    acc = dq is not None
+    if not acc:
+        dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     BM, BN, opts = cfg["dq"]
     range_attn_bwd_dq_kernel[(triton.cdiv(T * G, BM), HK)](
         q, k, v, do, lse, delta, dq, lo, hi, scale * LOG2E, scale, T, Tk,
-        HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **opts)
+        HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, ACC=acc, **opts)
     if Tk > 0:
         BM, BN, opts = cfg["dkdv"]
         range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN) * HK,)](

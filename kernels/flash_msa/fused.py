@@ -1,0 +1,93 @@
+"""NSA's three attention branches and their gated combination as one autograd Function.
+
+Composed from one autograd Function per branch and one for the gates, the backward writes each
+branch's output gradient ``g_b * do`` (three [T, HQ, D] tensors), reads each back with ``o_b``
+for the branch's softmax correction ``rowsum(o_b * g_b * do)``, and autograd adds the branches'
+dq. This backward needs none of that:
+
+1. one kernel reads ``do`` and the three outputs once and writes the gates' gradient and, per
+   branch, ``r_b = rowsum(o_b * do)`` and ``lse'_b = lse_b - log g_b`` ([T, HQ] each);
+2. each branch's unchanged backward runs on ``do`` itself with ``lse'_b`` and delta ``r_b``:
+   its probabilities are then ``g_b * p_b``, so dv, ``ds = g_b p_b (do v^T - r_b)`` and hence
+   dq and dk are exactly those of ``g_b * do``;
+3. compressed attention writes dq, and the window and selected attention add to it, in fp32,
+   in that fixed order: deterministic.
+
+The forward runs the same kernels as the composed path; what the backward keeps is the same
+but the three branch output gradients and their sums are never materialised, so the peak memory
+of a forward + backward is lower. Compression (phi) stays its own autograd Function: this one
+returns the gradients of the compressed keys and values.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flash_msa.compression.compressed_attention import compressed_ranges
+from flash_msa.compression.topk import select_blocks
+from flash_msa.gates import gate_backward_branches, gate_combine_fwd
+from flash_msa.selection import fmsa as _fmsa
+from flash_msa.selection import nsa as _nsa
+from flash_msa.selection.interface import IMPLS, choose_impl
+from flash_msa.utils.cache import per_batch
+from flash_msa.window.window import range_attention_bwd, range_attention_fwd, window_ranges
+
+_SELECTED = {"fmsa": (_fmsa.fmsa_forward, _fmsa.fmsa_backward), "nsa": (_nsa.nsa_forward, _nsa.nsa_backward)}
+
+
+def fused_impl(q: torch.Tensor, k: torch.Tensor, slc_block: int, slc_topk: int, impl: str) -> Optional[str]:
+    """The selected-attention loop order the fused op runs for ``impl`` ("fmsa" or "nsa"), or None
+    when the composed path must run: the reference selected attention, or a shape the Triton
+    kernels do not take (the composed path then raises the kernels' error for an explicit impl)."""
+    if impl == "auto":
+        impl = choose_impl(q, k, slc_topk, slc_block)
+    if impl not in _SELECTED or impl not in IMPLS:
+        return None
+    if q.shape[-1] not in _fmsa.HEAD_DIMS or slc_topk > _fmsa.MAX_S or q.dtype not in _fmsa.KERNEL_DTYPES:
+        return None
+    return impl
+
+
+class NSAAttentionFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, sizes, scale, impl):
+        cmp_block, cmp_stride, slc_block, slc_topk, window = sizes
+        q, k, v, k_cmp, v_cmp, gates = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates))
+        T = q.shape[0]
+        cr = per_batch(compressed_ranges, cu, cu_cmp, T, k_cmp.shape[0], cmp_block, cmp_stride)
+        wr = per_batch(window_ranges, cu, T, window)
+        o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, cr[0], cr[1], scale, "cmp")
+        idx = select_blocks(q, k_cmp, lse_cmp, cu, cu_cmp, cmp_block, cmp_stride, slc_block, slc_topk, scale)
+        o_slc, lse_slc, state = _SELECTED[impl][0](q, k, v, idx, slc_block, cu, scale)
+        o_swa, lse_swa = range_attention_fwd(q, k, v, wr[0], wr[1], scale, "window")
+        o = gate_combine_fwd(o_cmp, o_slc, o_swa, gates, q.dtype)
+        ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa, idx)
+        ctx.cr, ctx.wr, ctx.state, ctx.scale, ctx.impl = cr, wr, state, scale, impl
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, k_cmp, v_cmp, gates, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa, idx = ctx.saved_tensors
+        scale = ctx.scale
+        do = do.contiguous()
+        # delta and the gate-shifted lse of each branch, [3, T, HQ]: compressed, selected, window
+        dgates, delta, lse = gate_backward_branches(o_cmp, o_slc, o_swa, gates, do, lse_cmp, lse_slc, lse_swa)
+        dq, dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, None, lse[0], do, None, *ctx.cr, scale, "cmp",
+                                                 delta=delta[0])
+        dq, dk, dv = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
+                                         delta=delta[2], dq=dq)
+        dq, dk_slc, dv_slc = _SELECTED[ctx.impl][1](q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq)
+        dk += dk_slc
+        dv += dv_slc
+        return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None
+
+
+def nsa_attention_fused(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, cmp_block: int, cmp_stride: int, slc_block: int,
+                        slc_topk: int, window: int, scale: float, impl: str) -> torch.Tensor:
+    """The gated sum of the three branches on one packed stream ([T, H, D]; k_cmp / v_cmp packed
+    compressed rows, cu_cmp their offsets), ``impl`` from :func:`fused_impl`. Differentiable in q,
+    k, v, k_cmp, v_cmp and gates."""
+    return NSAAttentionFunction.apply(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp,
+                                      (cmp_block, cmp_stride, slc_block, slc_topk, window), scale, impl)

@@ -10,8 +10,9 @@ dq. This backward needs none of that:
 2. each branch's unchanged backward runs on ``do`` itself with ``lse'_b`` and delta ``r_b``:
    its probabilities are then ``g_b * p_b``, so dv, ``ds = g_b p_b (do v^T - r_b)`` and hence
    dq and dk are exactly those of ``g_b * do``;
-3. compressed attention writes dq, and the window and selected attention add to it, in fp32,
-   in that fixed order: deterministic.
+3. compressed attention writes dq, and the window and selected attention add theirs to it
+   (loaded, added in fp32, stored in dq's dtype: the rounding of autograd's sum), in that fixed
+   order: deterministic.
 
 The forward runs the same kernels as the composed path; what the backward keeps is the same
 but the three branch output gradients and their sums are never materialised, so the peak memory

@@ -20,7 +20,7 @@ from flash_msa import reference
 from flash_msa.compression.interface import TRITON_BRANCHES
 from flash_msa.selection.interface import ALL_IMPLS, SELECTED_BLOCK_SIZES, run_selected
 from flash_msa.utils.validation import (
-    check_block_size, check_cu_seqlens, check_positive_int, check_qkv, check_scale, check_tensor)
+    check_block_size, check_cu_seqlens, check_gates_range, check_positive_int, check_qkv, check_scale, check_tensor)
 from flash_msa.utils.varlen import flatten_batch
 
 CMP_BLOCK_SIZES = (8, 16, 32, 64)
@@ -112,6 +112,7 @@ def nsa_attention(
         q: [B, T, HQ, D] queries (after the model's q norm and RoPE).
         k, v: [B, T, HK, D] keys and values, HQ a multiple of HK (group 1..16).
         gates: [B, T, HQ, 3] branch gates in [0, 1] (sigmoid already applied): compressed, selected, window.
+            Checked unless inside ``flash_msa.trusted_inputs()`` on an accelerator.
         k_cmp_weight, v_cmp_weight: [HK, cmp_block*D, D] first layer of the compression MLP phi.
         k_cmp_pos, v_cmp_pos: [HK, cmp_block, D] intra-block position encodings.
         k_cmp_proj, v_cmp_proj: [HK, D, D] second layer of phi, added to mean pooling (see
@@ -133,6 +134,7 @@ def nsa_attention(
     check_tensor("gates", gates, ndim=4, layout="[B, T, HQ, 3]")
     if tuple(gates.shape) != (B, T, HQ, 3):
         raise ValueError(f"gates must have shape [B={B}, T={T}, HQ={HQ}, 3], got {tuple(gates.shape)}")
+    check_gates_range(gates)
     check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window)
     _check_compression("k_cmp", k_cmp_weight, k_cmp_pos, k_cmp_proj, HK, D, cmp_block, q.device)
     _check_compression("v_cmp", v_cmp_weight, v_cmp_pos, v_cmp_proj, HK, D, cmp_block, q.device)

@@ -1,7 +1,8 @@
 """The whole NSA op with the Triton branch set against flash_msa.reference.nsa_attention.
 
-On CPU the Triton branches run in the interpreter through nsa._compose with the reference
-selected attention; on CUDA the public nsa_attention runs them with impl="auto".
+On CPU the Triton branches run in the interpreter through nsa._compose, one case per selected
+attention (fmsa, nsa: the single autograd Function of flash_msa/fused.py; the reference: the
+composed path); on CUDA the public nsa_attention runs them with impl="auto" (fmsa, fused).
 """
 import pytest
 import torch
@@ -46,6 +47,19 @@ def test_nsa_triton_gates_zero_and_one(device):
     _check_against_reference("varlen-G5", device, gate_values=(0.0, 1.0))
 
 
+def test_nsa_triton_fmsa_partitions(device, monkeypatch):
+    """fmsa in several partitions (3 chunks x 2 KV heads, from a tiny partial budget) inside the
+    single autograd Function: each partition's dq kernel adds to the dq of the other branches."""
+    from flash_msa.selection import fmsa
+    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 40 << 10)
+    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
+    cu_list, HQ, HK, D, sizes = CASES["varlen-G5"]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    chunk, heads = fmsa.default_partition(cu_list[-1], HQ, HK, sizes["slc_topk"], D, dtype.itemsize)
+    assert heads == 1 and -(-cu_list[-1] // chunk) >= 3
+    _check_against_reference("varlen-G5", device)
+
+
 def _check_against_reference(case, device, gate_values=()):
     cu_list, HQ, HK, D, sizes = CASES[case]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -53,15 +67,17 @@ def _check_against_reference(case, device, gate_values=()):
     cu, leaves = _inputs(cu_list, HQ, HK, D, sizes["cmp_block"], device, dtype)
     q, k, v, gates, kw, kp, vw, vp, kj, vj = leaves
     with torch.no_grad():
-        for i, value in enumerate(gate_values):  # every third gate (by position) gets the value
-            gates.view(-1)[i::3 * len(gate_values)] = value
+        g = gates.view(-1, 3)  # rows (token, head)
+        for i, value in enumerate(gate_values):  # branch b's gate is value i on rows = b + i (mod 5)
+            for b in range(3):
+                g[(b + i) % 5::5, b] = value
     scale = D ** -0.5
     o_ref, idx_ref = reference.nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=scale,
                                              return_indices=True, k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
     selected = None
-    if device == "cuda":
-        o = nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=scale, impl="auto",
-                          k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
+    if device == "cuda":  # "auto" runs fmsa; one case runs the query-centric order
+        o = nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=scale,
+                          impl="nsa" if case == "G16-D128" else "auto", k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
     else:
         T = cu_list[-1]
         # every Triton branch, with each selected-attention loop order in one case (interpreter)

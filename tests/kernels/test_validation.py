@@ -87,6 +87,10 @@ def nsa_args(**over):
 
 NSA_CASES = {
     "gates_shape": (dict(gates=torch.rand(1, T, HQ, 2)), {}, "gates must have shape"),
+    "gates_negative": (dict(gates=torch.rand(1, T, HQ, 3).index_fill_(1, torch.tensor([3]), -0.5)), {},
+                       r"gates must lie in \[0, 1\].*gates\[0, 3, 0, 0\] = -0.5"),
+    "gates_nan": (dict(gates=torch.rand(1, T, HQ, 3).index_fill_(2, torch.tensor([1]), float("nan"))), {},
+                  r"gates must lie in \[0, 1\]"),
     "cmp_weight_shape": (dict(k_cmp_weight=torch.randn(HK, 8 * D, D)), {}, "k_cmp_weight must have shape"),
     "cmp_pos_shape": (dict(v_cmp_pos=torch.randn(HK, 8, D)), {}, "v_cmp_pos must have shape"),
     "cmp_proj_shape": (dict(k_cmp_proj=torch.randn(HK, D, 2 * D)), {}, "k_cmp_proj must have shape"),

@@ -138,6 +138,18 @@ def check_distinct_entries(block_indices: torch.Tensor) -> None:
                          f"block_indices[{b}, {t}, {h}] repeats block {s[b, t, h, j].item()}")
 
 
+def check_gates_range(gates: torch.Tensor) -> None:
+    """Gate values must lie in [0, 1] (sigmoid outputs): the whole-op backward shifts each
+    branch's lse by -log(gate) (flash_msa/fused.py), which a negative or NaN gate would turn into
+    NaN gradients. A value check, so it follows the policy of :func:`trusted_inputs`."""
+    if _TRUST_VALUES and gates.device.type != "cpu":
+        return
+    bad = ~((gates >= 0) & (gates <= 1))  # NaN included
+    if bad.any():
+        at = bad.nonzero()[0].tolist()
+        raise ValueError(f"gates must lie in [0, 1] (sigmoid outputs): gates{at} = {gates[tuple(at)].item()}")
+
+
 def check_scale(scale, D: int) -> float:
     if scale is None:
         return D ** -0.5

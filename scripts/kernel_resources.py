@@ -69,6 +69,7 @@ def resources(compiled, num_warps: int) -> dict:
 def cases():
     """(name, kernel, signature, constexprs, 16-divisible ints, launch options) for the shipped
     settings at T = 64K (T, Tk and the first token of a chunk are multiples of 16 there)."""
+    from flash_msa import gates
     from flash_msa.compression import compress, topk
     from flash_msa.selection import fmsa, nsa
     from flash_msa.window import window as w
@@ -90,6 +91,13 @@ def cases():
              dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32", rows_per_split="i32"),
              dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], PREC=None))):
         out.append((f"compress_{kern}", fn, sig, const, (), tiles[kern][1]))
+    # the gated combination's forward and the whole op's backward of it (flash_msa/fused.py)
+    BD, BR, opts = gates._launch(128, torch.device("cuda"))
+    for name, fn, sig in (
+            ("gate_combine_fwd", gates.gate_combine_fwd_kernel, dict(a=B, b=B, c=B, g=F, o=B, N="i32")),
+            ("gate_bwd_branch", gates.gate_bwd_branch_kernel,
+             dict(a=B, b=B, c=B, g=F, do=B, lse_a=F, lse_b=F, lse_c=F, dg=F, delta=F, lse_g=F, N="i32"))):
+        out.append((name, fn, sig, dict(D=128, BD=BD, BR=BR), (), opts))
     for G in (4, 5):
         HQ = 8 * G
         _, HKG = fmsa.default_partition(65536, HQ, 8, 16, 128, 2)

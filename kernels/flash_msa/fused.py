@@ -45,9 +45,7 @@ def fused_impl(q: torch.Tensor, k: torch.Tensor, slc_block: int, slc_topk: int, 
         impl = choose_impl(q, k, slc_topk, slc_block)
     if impl not in _SELECTED or impl not in IMPLS:
         return None
-    if q.shape[-1] not in _fmsa.HEAD_DIMS or slc_topk > _fmsa.MAX_S or q.dtype not in _fmsa.KERNEL_DTYPES:
-        return None
-    return impl
+    return impl if _fmsa.kernel_limits_error(q, slc_topk) is None else None
 
 
 class NSAAttentionFunction(torch.autograd.Function):

@@ -547,15 +547,24 @@ class FMSASelectedAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+def kernel_limits_error(q: torch.Tensor, S: int) -> Optional[Exception]:
+    """The error for a head dim, S or dtype the Triton kernels do not support, else None (the
+    kernels' check, and the test "auto" and the whole NSA op choose by)."""
+    D = q.shape[-1]
+    if D not in HEAD_DIMS:
+        return ValueError(f"D (head dim) must be one of {HEAD_DIMS} for the Triton kernels, got {D}")
+    if S > MAX_S:
+        return ValueError(f"S (selected blocks per query) must be at most {MAX_S} for the Triton kernels, got {S}")
+    if q.dtype not in KERNEL_DTYPES:
+        return TypeError(f"q dtype must be one of (float16, bfloat16, float32) for the Triton kernels, got {q.dtype}")
+    return None
+
+
 def check_kernel_limits(q: torch.Tensor, block_indices: torch.Tensor) -> None:
     """The shapes and dtypes the Triton kernels support, beyond the interface's checks."""
-    D, S = q.shape[-1], block_indices.shape[-1]
-    if D not in HEAD_DIMS:
-        raise ValueError(f"D (head dim) must be one of {HEAD_DIMS} for the Triton kernels, got {D}")
-    if S > MAX_S:
-        raise ValueError(f"S (selected blocks per query) must be at most {MAX_S} for the Triton kernels, got {S}")
-    if q.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"q dtype must be one of (float16, bfloat16, float32) for the Triton kernels, got {q.dtype}")
+    err = kernel_limits_error(q, block_indices.shape[-1])
+    if err is not None:
+        raise err
 
 
 def fmsa_selected_attention(

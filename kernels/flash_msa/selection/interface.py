@@ -5,8 +5,7 @@ from typing import Optional
 
 import torch
 
-from flash_msa.selection.fmsa import HEAD_DIMS as KERNEL_HEAD_DIMS, KERNEL_DTYPES, MAX_S as KERNEL_MAX_S
-from flash_msa.selection.fmsa import fmsa_selected_attention
+from flash_msa.selection.fmsa import fmsa_selected_attention, kernel_limits_error
 from flash_msa.selection.naive import selected_attention_chunked
 from flash_msa.selection.nsa import nsa_selected_attention
 from flash_msa.utils.validation import (
@@ -42,7 +41,7 @@ def choose_impl(q: torch.Tensor, k: torch.Tensor, S: int, block_size: int) -> st
     """
     if q.device.type != "cuda" or "fmsa" not in IMPLS:
         return "reference"
-    if q.shape[-1] not in KERNEL_HEAD_DIMS or S > KERNEL_MAX_S or q.dtype not in KERNEL_DTYPES:
+    if kernel_limits_error(q, S) is not None:
         return "reference"
     return "fmsa"
 

@@ -114,6 +114,20 @@ def check(HQ, HK, D, T, device):
     o_ref = call_nsa(reference.nsa_attention, ref_leaves, **SIZES, block_indices=idx_t)
     refs = torch.autograd.grad(o_ref, ref_leaves, do.float())
     res = {n: rel_rms(x, r) for n, x, r in zip(names, (o, *grads), (o_ref, *refs))}
+    # the same op with compressed attention on cuDNN (compression/dense_cmp.py; "auto" takes it
+    # from MIN_GROUPS compressed rows, more than this check size has), against the same reference
+    from flash_msa.compression import dense_cmp
+    cudnn_names = []
+    if dense_cmp.cudnn_supported(leaves[0]):
+        backend, dense_cmp.BACKEND = dense_cmp.BACKEND, "cudnn"
+        try:
+            o_c = call_nsa(nsa_attention, leaves, **SIZES, impl="auto")
+            grads_c = torch.autograd.grad(o_c, leaves, do)
+        finally:
+            dense_cmp.BACKEND = backend
+        cudnn_names = [f"cudnn_cmp_{n}" for n in names]
+        res.update({n: rel_rms(x, r) for n, x, r in zip(cudnn_names, (o_c, *grads_c), (o_ref, *refs))})
+        cudnn_names.remove("cudnn_cmp_dk_cmp_pos")
     # Reported, not gated: the reference making its own fp32 selection. On random inputs the
     # compressed attention is nearly uniform, so block scores nearly tie and rounding flips some.
     ref_leaves = [x.detach().float() for x in leaves]
@@ -143,7 +157,7 @@ def check(HQ, HK, D, T, device):
                                reference.selected_attention(q.float(), k.float(), v.float(), b, 64, cu, D ** -0.5))
     # dk_cmp_pos is reported, not gated: its mean-path part cancels exactly in exact arithmetic
     # (a constant shift of every compressed key), so in bf16 it is dominated by that rounding.
-    gated = [n for n in (*names, "fwd_k_cmp", "fwd_o_cmp", "fwd_o_swa", "fwd_o_slc") if n != "dk_cmp_pos"]
+    gated = [n for n in (*names, "fwd_k_cmp", "fwd_o_cmp", "fwd_o_swa", "fwd_o_slc") if n != "dk_cmp_pos"] + cudnn_names
     res["ok"] = all(res[n] <= 2e-2 for n in gated) and res["topk_rows_identical"] > 0.99
     return res
 
@@ -153,6 +167,7 @@ def bench_model(name, T, args, device, row):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from flash_msa import nsa_attention
+    from flash_msa.compression import dense_cmp
     from flash_msa.compression.interface import TRITON_BRANCHES as TB
     from flash_msa.selection.interface import choose_impl, selected_attention
     HQ, HK, D = MODELS[name]
@@ -160,6 +175,8 @@ def bench_model(name, T, args, device, row):
     leaves, do = make_inputs(T, HQ, HK, D, device)
     q, k, v, gates, kw, kp, vw, vp, kj, vj = leaves
     row["selected_impl"] = choose_impl(q, k, SIZES["slc_topk"], SIZES["slc_block"])
+    dense = dense_cmp.dense_layout(q[0], (1, T), SIZES["cmp_block"], SIZES["cmp_stride"])
+    row["cmp_backend"] = "triton" if dense is None else "cudnn"
 
     def fwd():
         return call_nsa(nsa_attention, leaves, **SIZES, impl="auto")
@@ -187,6 +204,20 @@ def bench_model(name, T, args, device, row):
         finally:
             TB.fused = fused
         save(args)
+
+    if args.compare_cmp:
+        # the other compressed-attention backend (Triton range kernels / cuDNN), side by side
+        other = "cudnn" if row["cmp_backend"] == "triton" else "triton"
+        if other == "triton" or dense_cmp.cudnn_supported(q[0]):
+            backend, dense_cmp.BACKEND = dense_cmp.BACKEND, other
+            try:
+                with torch.no_grad():
+                    row[f"{other}_cmp_fwd_ms"] = timer(fwd, T, args)
+                row[f"{other}_cmp_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
+                row[f"{other}_cmp_peak_mib"] = peak_mib(fwd_bwd)
+            finally:
+                dense_cmp.BACKEND = backend
+            save(args)
 
     if T <= args.breakdown_max_t:
         qf, kf, vf = q[0], k[0], v[0]
@@ -296,15 +327,16 @@ def write_markdown(res, path):
              "NSA defaults l=32, d=16, l'=64, n=16, w=512; dense = SDPA causal. Times in ms (median). "
              "Speedup = dense fwd+bwd / NSA fwd+bwd. Peak = extra memory of one fwd+bwd (MiB).", "",
              "| model | T | NSA fwd | NSA f+b | cuDNN f+b | flash f+b | x cuDNN | x flash | NSA peak | cuDNN peak "
-             "| compress | cmp attn | top-k | selected | window | gates | sum | selected impl |",
-             "|" + "---|" * 18]
+             "| compress | cmp attn | top-k | selected | window | gates | sum | selected impl | cmp |",
+             "|" + "---|" * 19]
     for r in res["rows"]:
         lines.append("| " + " | ".join([
             r["model"], str(r["T"]), _f(r.get("nsa_fwd_ms")), _f(r.get("nsa_fwd_bwd_ms")),
             _f(r.get("cudnn_fwd_bwd_ms")), _f(r.get("flash_fwd_bwd_ms")),
             _f(r.get("speedup_vs_cudnn"), 2), _f(r.get("speedup_vs_flash"), 2),
             _f(r.get("nsa_peak_mib"), 0), _f(r.get("cudnn_peak_mib"), 0),
-            *[_f(r.get(f"{b}_ms")) for b in BRANCH_NAMES], _f(r.get("branch_sum_ms")), str(r.get("selected_impl", "-"))]) + " |")
+            *[_f(r.get(f"{b}_ms")) for b in BRANCH_NAMES], _f(r.get("branch_sum_ms")), str(r.get("selected_impl", "-")),
+            str(r.get("cmp_backend", "-"))]) + " |")
     composed = [r for r in res["rows"] if r.get("composed_fwd_bwd_ms")]
     if composed:
         lines += ["", "The same op composed of one autograd Function per branch and the gates (`--compare-composed`, "
@@ -315,6 +347,19 @@ def write_markdown(res, path):
             lines.append("| " + " | ".join([r["model"], str(r["T"]), _f(r.get("composed_fwd_ms")),
                                              _f(r.get("composed_fwd_bwd_ms")), _f(r.get("nsa_fwd_bwd_ms")),
                                              _f(r.get("composed_peak_mib"), 0), _f(r.get("nsa_peak_mib"), 0)]) + " |")
+    cmp_rows = [r for r in res["rows"] if r.get("triton_cmp_fwd_bwd_ms") or r.get("cudnn_cmp_fwd_bwd_ms")]
+    if cmp_rows:
+        lines += ["", "Compressed attention on the Triton range kernels against cuDNN's dense grouped form "
+                  "(compression/dense_cmp.py; `--compare-cmp`, same run; the shipped backend is `cmp`):", "",
+                  "| model | T | cmp | Triton fwd | Triton f+b | cuDNN fwd | cuDNN f+b | Triton peak | cuDNN peak |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in cmp_rows:
+            got = {b: (r.get(f"{b}_cmp_fwd_ms"), r.get(f"{b}_cmp_fwd_bwd_ms"), r.get(f"{b}_cmp_peak_mib"))
+                   for b in ("triton", "cudnn")}
+            got[r.get("cmp_backend", "triton")] = (r.get("nsa_fwd_ms"), r.get("nsa_fwd_bwd_ms"), r.get("nsa_peak_mib"))
+            t, c = got["triton"], got["cudnn"]
+            lines.append("| " + " | ".join([r["model"], str(r["T"]), str(r.get("cmp_backend", "-")), _f(t[0]), _f(t[1]),
+                                             _f(c[0]), _f(c[1]), _f(t[2], 0), _f(c[2], 0)]) + " |")
     lines += ["", "Correctness (at the check size, vs the fp32 reference; relative RMS, top-k rows identical):", ""]
     for m, c in res.get("checks", {}).items():
         lines.append(f"- {m}: " + ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()))
@@ -380,6 +425,8 @@ def main():
     p.add_argument("--plot-only", default=None)
     p.add_argument("--compare-composed", action="store_true",
                    help="also time the whole op as one autograd Function per branch (before flash_msa/fused.py)")
+    p.add_argument("--compare-cmp", action="store_true",
+                   help="also time the whole op with compressed attention on the other backend (Triton / cuDNN)")
     p.add_argument("--dense-from", default=None,
                    help="take the dense SDPA rows from an earlier nsa_h200.json (same machine kind) instead of re-timing them")
     args = p.parse_args()

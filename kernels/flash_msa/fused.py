@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from flash_msa.compression.compressed_attention import compressed_ranges
+from flash_msa.compression.dense_cmp import dense_cmp_backward, dense_cmp_forward, dense_layout
 from flash_msa.compression.topk import select_blocks
 from flash_msa.gates import gate_backward_branches, gate_combine_fwd
 from flash_msa.selection import fmsa as _fmsa
@@ -51,19 +52,24 @@ def fused_impl(q: torch.Tensor, k: torch.Tensor, slc_block: int, slc_topk: int, 
 class NSAAttentionFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, sizes, scale, impl):
+    def forward(ctx, q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, sizes, scale, impl, dense):
         cmp_block, cmp_stride, slc_block, slc_topk, window = sizes
         q, k, v, k_cmp, v_cmp, gates = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates))
         T = q.shape[0]
-        cr = per_batch(compressed_ranges, cu, cu_cmp, T, k_cmp.shape[0], cmp_block, cmp_stride)
         wr = per_batch(window_ranges, cu, T, window)
-        o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, cr[0], cr[1], scale, "cmp")
+        if dense is not None:  # compressed attention as dense grouped attention (compression/dense_cmp.py)
+            cr = None
+            o_cmp, lse_cmp, ctx.cmp_aux = dense_cmp_forward(q, k_cmp, v_cmp, dense, cmp_block, cmp_stride, scale)
+        else:
+            cr = per_batch(compressed_ranges, cu, cu_cmp, T, k_cmp.shape[0], cmp_block, cmp_stride)
+            o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, cr[0], cr[1], scale, "cmp")
         idx = select_blocks(q, k_cmp, lse_cmp, cu, cu_cmp, cmp_block, cmp_stride, slc_block, slc_topk, scale)
         o_slc, lse_slc, state = _SELECTED[impl][0](q, k, v, idx, slc_block, cu, scale)
         o_swa, lse_swa = range_attention_fwd(q, k, v, wr[0], wr[1], scale, "window")
         o = gate_combine_fwd(o_cmp, o_slc, o_swa, gates, q.dtype)
         ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa, idx)
         ctx.cr, ctx.wr, ctx.state, ctx.scale, ctx.impl = cr, wr, state, scale, impl
+        ctx.dense, ctx.cmp_sizes = dense, (cmp_block, cmp_stride)
         return o
 
     @staticmethod
@@ -73,20 +79,27 @@ class NSAAttentionFunction(torch.autograd.Function):
         do = do.contiguous()
         # delta and the gate-shifted lse of each branch, [3, T, HQ]: compressed, selected, window
         dgates, delta, lse = gate_backward_branches(o_cmp, o_slc, o_swa, gates, do, lse_cmp, lse_slc, lse_swa)
-        dq, dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, None, lse[0], do, None, *ctx.cr, scale, "cmp",
-                                                 delta=delta[0])
+        if ctx.dense is not None:  # cuDNN computes delta[0] = rowsum(o_cmp * do) itself
+            dq, dk_cmp, dv_cmp = dense_cmp_backward(q, k_cmp, v_cmp, o_cmp, lse[0], do, ctx.dense, *ctx.cmp_sizes,
+                                                    scale, ctx.cmp_aux)
+        else:
+            dq, dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, None, lse[0], do, None, *ctx.cr, scale, "cmp",
+                                                     delta=delta[0])
         dq, dk, dv = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
                                          delta=delta[2], dq=dq)
         dq, dk_slc, dv_slc = _SELECTED[ctx.impl][1](q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq)
         dk += dk_slc
         dv += dv_slc
-        return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None
+        return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None, None
 
 
 def nsa_attention_fused(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, cmp_block: int, cmp_stride: int, slc_block: int,
-                        slc_topk: int, window: int, scale: float, impl: str) -> torch.Tensor:
+                        slc_topk: int, window: int, scale: float, impl: str,
+                        uniform: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The gated sum of the three branches on one packed stream ([T, H, D]; k_cmp / v_cmp packed
-    compressed rows, cu_cmp their offsets), ``impl`` from :func:`fused_impl`. Differentiable in q,
-    k, v, k_cmp, v_cmp and gates."""
+    compressed rows, cu_cmp their offsets), ``impl`` from :func:`fused_impl`. ``uniform`` = (B, L)
+    when the stream holds B sequences of L tokens each (then compressed attention may run on
+    cuDNN: compression/dense_cmp.py). Differentiable in q, k, v, k_cmp, v_cmp and gates."""
+    dense = dense_layout(q, uniform, cmp_block, cmp_stride)
     return NSAAttentionFunction.apply(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp,
-                                      (cmp_block, cmp_stride, slc_block, slc_topk, window), scale, impl)
+                                      (cmp_block, cmp_stride, slc_block, slc_topk, window), scale, impl, dense)

@@ -73,8 +73,9 @@ BRANCHES = {
 
 
 def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
-             cmp_block, cmp_stride, slc_block, slc_topk, window, scale, selected_impl):
-    """The NSA data flow on one packed stream [T, H, D]; k_cmp / v_cmp are (weight, pos, proj)."""
+             cmp_block, cmp_stride, slc_block, slc_topk, window, scale, selected_impl, uniform=None):
+    """The NSA data flow on one packed stream [T, H, D]; k_cmp / v_cmp are (weight, pos, proj);
+    ``uniform`` = (B, L) when the stream holds B sequences of L tokens each, else None."""
     (kw, kp, kj), (vw, vp, vj) = k_cmp, v_cmp
     k_cmp, cu_cmp = branches.compress(k, kw, kp, cu, cmp_block, cmp_stride, proj=kj)
     v_cmp, _ = branches.compress(v, vw, vp, cu, cmp_block, cmp_stride, proj=vj)
@@ -83,7 +84,7 @@ def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
         impl = fused.impl(q, k, slc_block, slc_topk, selected_impl)
         if impl is not None:
             return fused.attention(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, cmp_block, cmp_stride, slc_block,
-                                   slc_topk, window, scale, impl)
+                                   slc_topk, window, scale, impl, uniform)
     o_cmp, lse = branches.compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, cmp_block, cmp_stride, scale)
     idx = branches.select_blocks(q.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp,
                                  cmp_block, cmp_stride, slc_block, slc_topk, scale)  # [T, HK, n]
@@ -144,9 +145,12 @@ def nsa_attention(
     on_gpu = impl != "reference" and q.device.type == "cuda"
     branches = BRANCHES["triton" if on_gpu and "triton" in BRANCHES else "reference"]
     qf, cu = flatten_batch(q, cu_seqlens)
+    # B sequences of T tokens, or one: known on the host (no look at cu_seqlens' values)
+    uniform = (B, T) if cu_seqlens is None or cu_seqlens.numel() == 2 else None
     o = _compose(branches, qf, k.reshape(B * T, HK, D), v.reshape(B * T, HK, D), gates.reshape(B * T, HQ, 3),
                  (k_cmp_weight, k_cmp_pos, k_cmp_proj), (v_cmp_weight, v_cmp_pos, v_cmp_proj), cu,
-                 cmp_block, cmp_stride, slc_block, slc_topk, window, scale, impl if on_gpu else "reference")
+                 cmp_block, cmp_stride, slc_block, slc_topk, window, scale, impl if on_gpu else "reference",
+                 uniform)
     return o.view(B, T, HQ, D)
 
 

@@ -15,6 +15,8 @@ CASES = {  # (cu_seqlens, HQ, HK, D, sizes)
     "varlen-G5": ([0, 20, 100, 190], 10, 2, 16, dict(cmp_block=32, cmp_stride=16, slc_block=32, slc_topk=3, window=40)),
     "G4-defaults-D32": ([0, 200], 8, 2, 32, dict(cmp_block=32, cmp_stride=16, slc_block=64, slc_topk=16, window=512)),
     "G16-D128": ([0, 70, 130], 16, 1, 128, dict(cmp_block=16, cmp_stride=8, slc_block=32, slc_topk=2, window=24)),
+    # two sequences of 150 tokens, run as a dense batch [2, 150] (test_nsa_triton_dense_compressed_attention)
+    "batch2-G4-D64": ([0, 150, 300], 8, 2, 64, dict(cmp_block=32, cmp_stride=16, slc_block=32, slc_topk=3, window=40)),
 }
 
 
@@ -33,7 +35,7 @@ def _inputs(cu_list, HQ, HK, D, l, device, dtype):
     return cu, leaves
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["varlen-G5", "G4-defaults-D32", "G16-D128"])
 def test_nsa_triton_matches_reference(case, device):
     _check_against_reference(case, device)
 
@@ -60,7 +62,25 @@ def test_nsa_triton_fmsa_partitions(device, monkeypatch):
     _check_against_reference("varlen-G5", device)
 
 
-def _check_against_reference(case, device, gate_values=()):
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning",
+                            "ignore:invalid value encountered in subtract:RuntimeWarning")
+def test_nsa_triton_dense_compressed_attention(device, monkeypatch):
+    """A dense batch (B = 2, no cu_seqlens): compressed attention runs as dense grouped attention
+    inside the single Function (compression/dense_cmp.py: cuDNN on CUDA, plain PyTorch on CPU),
+    with gates of 0 and 1."""
+    from flash_msa import fused
+    from flash_msa.compression import dense_cmp
+    monkeypatch.setattr(dense_cmp, "BACKEND", "cudnn" if device == "cuda" else "math")
+    calls = []
+    monkeypatch.setattr(fused, "dense_cmp_forward", lambda *a: calls.append(a[3]) or dense_cmp.dense_cmp_forward(*a))
+    case = "batch2-G4-D64"
+    if device == "cuda" and not dense_cmp.cudnn_supported(torch.empty(1, 1, 64, device=device, dtype=torch.bfloat16)):
+        pytest.skip("needs cuDNN fused attention (CUDA, sm90)")
+    _check_against_reference(case, device, gate_values=(0.0, 1.0), batch=2)
+    assert calls == [(2, CASES[case][0][-1] // 2)]
+
+
+def _check_against_reference(case, device, gate_values=(), batch=None):
     cu_list, HQ, HK, D, sizes = CASES[case]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tol = 1e-4 if device == "cpu" else 1e-2
@@ -75,19 +95,25 @@ def _check_against_reference(case, device, gate_values=()):
     o_ref, idx_ref = reference.nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=scale,
                                              return_indices=True, k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
     selected = None
-    if device == "cuda":  # "auto" runs fmsa; one case runs the query-centric order
+    T = cu_list[-1]
+    if device == "cuda" and batch:  # the dense batch [B, T/B] without cu_seqlens
+        o = nsa_attention(*(x.view(batch, T // batch, *x.shape[2:]) for x in (q, k, v, gates)), kw, kp, vw, vp,
+                          scale=scale, k_cmp_proj=kj, v_cmp_proj=vj, **sizes).view(1, T, HQ, D)
+    elif device == "cuda":  # "auto" runs fmsa; one case runs the query-centric order
         o = nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=scale,
                           impl="nsa" if case == "G16-D128" else "auto", k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
     else:
-        T = cu_list[-1]
         # every Triton branch, with each selected-attention loop order in one case (interpreter)
-        selected = {"varlen-G5": "fmsa", "G16-D128": "nsa"}.get(case, "reference")
+        selected = {"varlen-G5": "fmsa", "G16-D128": "nsa", "batch2-G4-D64": "fmsa"}.get(case, "reference")
         o = _compose(BRANCHES["triton"], q[0], k[0], v[0], gates[0], (kw, kp, kj), (vw, vp, vj), cu,
                      sizes["cmp_block"], sizes["cmp_stride"], sizes["slc_block"], sizes["slc_topk"],
-                     sizes["window"], scale, selected).view(1, T, HQ, D)
+                     sizes["window"], scale, selected, uniform=(batch, T // batch) if batch else None).view(1, T, HQ, D)
     if device == "cuda" or selected != "reference":
-        # the branches and gates ran as one autograd Function (flash_msa/fused.py)
-        assert "NSAAttentionFunction" in o.grad_fn.next_functions[0][0].name()
+        # the branches and gates ran as one autograd Function (flash_msa/fused.py), below the views
+        fn = o.grad_fn
+        while fn.name() in ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"):
+            fn = fn.next_functions[0][0]
+        assert "NSAAttentionFunction" in fn.name()
     assert_close("o", o, o_ref, tol)
     do = torch.randn_like(o)
     grads = torch.autograd.grad(o, leaves, do)

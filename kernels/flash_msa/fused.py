@@ -81,7 +81,7 @@ class NSAAttentionFunction(torch.autograd.Function):
         dgates, delta, lse = gate_backward_branches(o_cmp, o_slc, o_swa, gates, do, lse_cmp, lse_slc, lse_swa)
         if ctx.dense is not None:  # cuDNN computes delta[0] = rowsum(o_cmp * do) itself
             dq, dk_cmp, dv_cmp = dense_cmp_backward(q, k_cmp, v_cmp, o_cmp, lse[0], do, ctx.dense, *ctx.cmp_sizes,
-                                                    scale, ctx.cmp_aux)
+                                                    scale, ctx.cmp_aux, delta=delta[0])
         else:
             dq, dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, None, lse[0], do, None, *ctx.cr, scale, "cmp",
                                                      delta=delta[0])

@@ -65,11 +65,12 @@ def group_count(L: int, block: int, stride: int) -> int:
 
 
 def cudnn_supported(q: torch.Tensor) -> bool:
-    """Whether cuDNN's fused attention takes these queries (dtype, head dim, GPU, enabled)."""
+    """Whether cuDNN's fused attention takes these queries (dtype, head dim, enabled) on a GPU
+    this was measured on (Hopper: sm90; other generations keep the range kernels)."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
             and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
             and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
-            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+            and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 def dense_layout(q: torch.Tensor, uniform: Optional[tuple[int, int]], block: int, stride: int) -> Optional[tuple[int, int]]:
@@ -84,6 +85,9 @@ def dense_layout(q: torch.Tensor, uniform: Optional[tuple[int, int]], block: int
         return None
     if BACKEND == "math":
         return uniform
+    # cuDNN's backward rejects a dense call of one position (s_q = s_kv = 1)
+    if split_groups(uniform[1], block, stride)[1] < 2:
+        return None
     if torch.are_deterministic_algorithms_enabled() or not cudnn_supported(q):
         return None
     if BACKEND == "cudnn" or group_count(uniform[1], block, stride) >= MIN_GROUPS:
@@ -246,7 +250,8 @@ def dense_cmp_backward(q, k_cmp, v_cmp, o, lse, do, layout, block: int, stride: 
     dq = q.new_empty(B, L, HQ, D)
     dq[:, :block - 1] = 0
     dq = dq.view(T, HQ, D)
-    dk = torch.zeros(k_cmp.shape, dtype=torch.float32, device=q.device)  # both parts add in fp32
+    # the parts (each call's dk/dv, rounded to k's dtype by cuDNN, and the last group's) add in fp32
+    dk = torch.zeros(k_cmp.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v_cmp.shape, dtype=torch.float32, device=q.device)
     if S > 0:
         g = dict(B=B, L=L, block=block, stride=stride, S=S)
@@ -259,6 +264,7 @@ def dense_cmp_backward(q, k_cmp, v_cmp, o, lse, do, layout, block: int, stride: 
         for c in range(n):
             h = slice(c * J * HQ, (c + 1) * J * HQ)
             lse4 = torch.empty(B, J * HQ, S, 1, dtype=torch.float32, device=q.device)
+            # defensive: cuDNN 9.19 took +inf as well (exp(s - inf) = 0), the clamp gives the same
             torch.clamp(lse_g[:, h], max=LSE_CLAMP, out=lse4.view(B, J * HQ, S))
             dq4, dk4, dv4 = _attention(q)[1](do4[:, h], q4[:, h], k4, v4, o4[:, h], lse4, scale, aux[c])
             dq_g[:, h].copy_(dq4)

@@ -41,6 +41,9 @@ def _run(B, L, HQ, HK, D, l, d, device, zero_gates):
     vc = torch.randn(T // d, HK, D, device=device, dtype=dtype, requires_grad=True)
     scale = D ** -0.5
     layout = dense_cmp.dense_layout(q, (B, L), l, d)
+    if device == "cuda" and dense_cmp.split_groups(L, l, d)[1] < 2:
+        assert layout is None  # cuDNN's backward takes no dense call of one position
+        return
     assert layout == (B, L)
     with torch.no_grad():
         o, lse, aux = dense_cmp.dense_cmp_forward(q, kc, vc, layout, l, d, scale)
@@ -69,9 +72,12 @@ def _run(B, L, HQ, HK, D, l, d, device, zero_gates):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dense_cmp_matches_reference(layout, device, backend):
-    if device == "cuda":
-        pytest.skip("cuDNN takes head dims 64 and 128: CUDA_LAYOUTS")
-    _run(*LAYOUTS[layout], device, zero_gates=layout == "one-seq")
+    B, L, HQ, HK, D, l, d = LAYOUTS[layout]
+    if device == "cuda":  # cuDNN takes head dims 64 and 128
+        if not dense_cmp.cudnn_supported(torch.empty(1, 1, 64, device=device, dtype=torch.bfloat16)):
+            pytest.skip("needs cuDNN fused attention (CUDA, sm90)")
+        D = 64
+    _run(B, L, HQ, HK, D, l, d, device, zero_gates=layout == "one-seq")
 
 
 @pytest.mark.parametrize("chunks", [2, 16])
@@ -123,6 +129,8 @@ def test_dense_layout_policy(monkeypatch):
     assert dense_cmp.dense_layout(q, (1, 1000), 32, 16) is None  # below MIN_GROUPS
     monkeypatch.setattr(dense_cmp, "BACKEND", "cudnn")
     assert dense_cmp.dense_layout(q, (1, 1000), 32, 16) == (1, 1000)
+    assert dense_cmp.dense_layout(q, (1, 63), 32, 16) == (1, 63)  # two full groups
+    assert dense_cmp.dense_layout(q, (1, 62), 32, 16) is None  # one dense position: cuDNN's backward rejects it
     try:  # cuDNN's dq is not deterministic: deterministic algorithms keep the Triton kernels
         torch.use_deterministic_algorithms(True)
         assert dense_cmp.dense_layout(q, (1, 100_000), 32, 16) is None
@@ -131,3 +139,25 @@ def test_dense_layout_policy(monkeypatch):
     monkeypatch.setattr(dense_cmp, "BACKEND", "fast")
     with pytest.raises(ValueError, match="FLASH_MSA_CMP_BACKEND"):
         dense_cmp.dense_layout(q, (1, 100_000), 32, 16)
+
+
+def test_nsa_attention_passes_uniform_streams(monkeypatch):
+    """nsa_attention marks a stream uniform (so compressed attention may run dense) only when it
+    knows on the host that every sequence has one length: a dense batch, or one sequence."""
+    import flash_msa.nsa as nsa
+    seen = []
+
+    def spy(branches, q, *args):
+        seen.append(args[-1])  # uniform, the last argument
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(nsa, "_compose", spy)
+    B, T, HQ, HK, D, l = 2, 64, 4, 2, 16, 32
+    q, k, v = torch.randn(B, T, HQ, D), torch.randn(B, T, HK, D), torch.randn(B, T, HK, D)
+    gates = torch.rand(B, T, HQ, 3)
+    params = [torch.randn(HK, l * D, D), torch.randn(HK, l, D)] * 2
+    nsa.nsa_attention(q, k, v, gates, *params)
+    one = [x[:1] for x in (q, k, v, gates)]
+    nsa.nsa_attention(*one, *params, cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
+    nsa.nsa_attention(*one, *params, cu_seqlens=torch.tensor([0, T // 2, T], dtype=torch.int32))  # equal, but packed
+    assert seen == [(B, T), (1, T), None]

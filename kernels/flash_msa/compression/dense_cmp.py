@@ -155,12 +155,16 @@ def _last_group_ranges(B: int, Tc: int, n_last: int, Tk: int, device: torch.devi
 # dense causal GQA attention on [B, H, S, D]: cuDNN, or plain PyTorch (tests)
 
 
-def _math_fwd(q4, k4, v4, scale):
+def _math_scores(q4, k4, scale):
+    """fp32 causal scores [B, HK, G', S, S] of q4 [B, HK*G', S, D] against k4 [B, HK, S, D]."""
     HK = k4.shape[1]
-    qf = q4.float().unflatten(1, (HK, -1))  # [B, HK, G', S, D]
-    s = (qf @ k4.float()[:, :, None].transpose(-1, -2)) * scale
+    s = (q4.float().unflatten(1, (HK, -1)) @ k4.float()[:, :, None].transpose(-1, -2)) * scale
     S = s.shape[-1]
-    s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+
+
+def _math_fwd(q4, k4, v4, scale):
+    s = _math_scores(q4, k4, scale)
     lse = torch.logsumexp(s, -1)
     o = torch.exp(s - lse[..., None]) @ v4.float()[:, :, None]
     return o.flatten(1, 2).to(q4.dtype), lse.flatten(1, 2)[..., None], None
@@ -170,10 +174,7 @@ def _math_bwd(do4, q4, k4, v4, o4, lse4, scale, aux):
     HK = k4.shape[1]
     qf, dof = (x.float().unflatten(1, (HK, -1)) for x in (q4, do4))
     kf, vf = (x.float()[:, :, None] for x in (k4, v4))
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    S = s.shape[-1]
-    s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=s.device).tril(), float("-inf"))
-    p = torch.exp(s - lse4.float().unflatten(1, (HK, -1)))  # the given lse (gate-shifted), as cuDNN
+    p = torch.exp(_math_scores(q4, k4, scale) - lse4.float().unflatten(1, (HK, -1)))  # the given lse, as cuDNN
     delta = (o4.float() * do4.float()).sum(-1).unflatten(1, (HK, -1))[..., None]
     ds = p * (dof @ vf.transpose(-1, -2) - delta)
     dq = (ds @ kf) * scale
@@ -196,7 +197,7 @@ def _cudnn_bwd(do4, q4, k4, v4, o4, lse4, scale, aux):
     return dq4, dk4, dv4
 
 
-def _attention(q):
+def _attention():
     return (_math_fwd, _math_bwd) if BACKEND == "math" else (_cudnn_fwd, _cudnn_bwd)
 
 
@@ -223,7 +224,7 @@ def dense_cmp_forward(q, k_cmp, v_cmp, layout, block: int, stride: int, scale: f
         lse_g = group_view(lse, B, L, block, stride, S)
         for c in range(n):  # a few calls that bound the memory (chunk_count), not a loop over heads
             h = slice(c * J * HQ, (c + 1) * J * HQ)
-            o4, lse4, a = _attention(q)[0](q4[:, h], k4, v4, scale)
+            o4, lse4, a = _attention()[0](q4[:, h], k4, v4, scale)
             o_g[:, h].copy_(o4)
             lse_g[:, h].copy_(lse4.reshape(B, J * HQ, S))
             aux.append(a)
@@ -266,7 +267,7 @@ def dense_cmp_backward(q, k_cmp, v_cmp, o, lse, do, layout, block: int, stride: 
             lse4 = torch.empty(B, J * HQ, S, 1, dtype=torch.float32, device=q.device)
             # defensive: cuDNN 9.19 took +inf as well (exp(s - inf) = 0), the clamp gives the same
             torch.clamp(lse_g[:, h], max=LSE_CLAMP, out=lse4.view(B, J * HQ, S))
-            dq4, dk4, dv4 = _attention(q)[1](do4[:, h], q4[:, h], k4, v4, o4[:, h], lse4, scale, aux[c])
+            dq4, dk4, dv4 = _attention()[1](do4[:, h], q4[:, h], k4, v4, o4[:, h], lse4, scale, aux[c])
             dq_g[:, h].copy_(dq4)
             dk_g += dk4.unflatten(1, (J, HK)).sum(1, dtype=torch.float32)
             dv_g += dv4.unflatten(1, (J, HK)).sum(1, dtype=torch.float32)
@@ -274,12 +275,13 @@ def dense_cmp_backward(q, k_cmp, v_cmp, o, lse, do, layout, block: int, stride: 
     if S < Tc:  # the short last groups, on the range kernel (its dq written, its dk/dv added)
         ranges = _last_group_ranges(B, Tc, n_last, k_cmp.shape[0], q.device)
         last = (slice(None), slice(L - n_last, L))
-        q_l, do_l, o_l = (x.view(B, L, HQ, D)[last].reshape(B * n_last, HQ, D).contiguous() for x in (q, do, o))
+        q_l, do_l = (x.view(B, L, HQ, D)[last].reshape(B * n_last, HQ, D).contiguous() for x in (q, do))
         lse_l = lse.view(B, L, HQ)[last].reshape(B * n_last, HQ)
         if delta is None:
-            delta_l = (o_l.float() * do_l.float()).sum(-1)
+            delta_l = (o.view(B, L, HQ, D)[last].float() * do_l.view(B, n_last, HQ, D).float()).sum(-1)
         else:
-            delta_l = delta.view(B, L, HQ)[last].reshape(B * n_last, HQ)
+            delta_l = delta.view(B, L, HQ)[last]
+        delta_l = delta_l.reshape(B * n_last, HQ)
         dq_l, dk_l, dv_l = range_attention_bwd(q_l, k_cmp, v_cmp, None, lse_l.contiguous(), do_l, None, *ranges,
                                                scale, "cmp", delta=delta_l.contiguous())
         dq.view(B, L, HQ, D)[last] = dq_l.view(B, n_last, HQ, D)

@@ -240,6 +240,10 @@ def bench_model(name, T, args, device, row):
             return torch.autograd.grad((a, b), (k, v, kw, kp, vw, vp, kj, vj), (dc, dc))
 
         def b_cmp():
+            if dense is not None:  # the backend the whole op ran: cuDNN's grouped form, forward and backward
+                with torch.no_grad():  # as inside the op's autograd Function
+                    oc, lc, aux = dense_cmp.dense_cmp_forward(qf, kc, vc, dense, 32, 16, scale)
+                    return dense_cmp.dense_cmp_backward(qf, kc, vc, oc, lc, do0, dense, 32, 16, scale, aux)
             oc, _ = TB.compressed_attention(qf, kc, vc, cu, cc, 32, 16, scale)
             return torch.autograd.grad(oc, (q, kc, vc), do0)
 

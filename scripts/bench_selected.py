@@ -212,13 +212,14 @@ def variants(T, G, D, S, bs, device):
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
-             "PARTIAL_BUDGET", "FWD_MAXNREG")
+             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
     # by Triton (selected_variants3_h200.log); partitions, segments and other launch settings
     # (selected_partitions_h200.log, selected_variants*_h200.log).
-    fwd_variants = [{}, {"FWD_TILES": 2}, {"FWD_TILES": 8}, {"FWD_MAXNREG": 0}]
+    # merge warps, L2 eviction hints (no gain) and the dq reduction's warps: selected_variants5_h200.log.
+    fwd_variants = [{}, {"FWD_TILES": 2}, {"FWD_TILES": 8}, {"FWD_MAXNREG": 0}, {"MERGE_WARPS_SMALL_G": 4}]
     bwd_variants = [{}, {"SEG_TILES": 32}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
@@ -262,6 +263,12 @@ def variants(T, G, D, S, bs, device):
     ms3 = triton.testing.do_bench(lambda: prepare_block_meta(cu, T, bs), warmup=5, rep=20, return_mode="median")
     print(f"T={T} G={G}: build_selection_csr {ms:.2f} ms, tile_schedule {ms2:.2f} ms, prepare_block_meta {ms3:.2f} ms, "
           f"chunk {Tc}, KV heads per partition {heads}", flush=True)
+    n_keys = csr.key_offsets.numel()
+    key = torch.randint(0, n_keys, (bi[0].numel(),), device=bi.device, dtype=torch.int32)
+    for dt in (torch.int32, torch.int16) if n_keys <= 1 << 16 else (torch.int32,):  # build_selection_csr's key types
+        kk = (key - 32768).to(dt) if dt == torch.int16 else key
+        ms = triton.testing.do_bench(lambda: torch.sort(kk, stable=True), warmup=5, rep=20, return_mode="median")
+        print(f"  stable sort of {key.numel()} {dt} keys < {n_keys}: {ms:.3f} ms", flush=True)
 
 
 def fmt(x, spec=".2f"):

@@ -339,6 +339,16 @@ FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
 # and 11.87 against 11.37 at G=5 (selected_variants4_h200.log).
 FWD_MAXNREG = 128
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 2
+# Warps of a merge program (one token, the G heads of one KV head: a [G, D] tile per slot). One
+# warp for G <= 8, where a program's 16 slot loads then take 16-byte vectors per thread: forward
+# at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
+# (15.21 against 15.48 with one); benchmarks/results/selected_variants5_h200.log. The dq
+# reduction (same shape) measured the same with 1, 2 or 4 warps and keeps the default 4.
+MERGE_WARPS_SMALL_G = 1
+
+
+def _merge_warps(G: int) -> int:
+    return MERGE_WARPS_SMALL_G if G <= 8 else 4
 
 
 def _fwd_tile_rows(D: int, block_size: int) -> int:
@@ -444,7 +454,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-            BSS=triton.next_power_of_2(S), HKG=HKG)
+            BSS=triton.next_power_of_2(S), HKG=HKG, num_warps=_merge_warps(G))
     return o, lse
 
 

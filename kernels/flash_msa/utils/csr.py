@@ -105,6 +105,10 @@ def valid_entries(block_indices: torch.Tensor, meta: BlockMeta) -> torch.Tensor:
     return (block_indices >= 0) & (block_indices <= own[:, None, None])
 
 
+# build_selection_csr sorts int16 keys while num_keys + 1 values fit them (tests lower it)
+SHORT_KEYS_BELOW = 1 << 16
+
+
 def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int) -> SelectionCSR:
     """Groups the valid entries of ``block_indices`` [T, HK, S] by (chunk, KV head, block).
 
@@ -124,9 +128,13 @@ def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size
     head = torch.arange(HK, device=device, dtype=torch.int32)[None, :, None]
     key = ((t // chunk_size)[:, None, None] * HK + head) * NB + gblk
     key = torch.where(valid, key, torch.full_like(key, num_keys)).flatten()
+    bounds = torch.arange(num_keys + 1, device=device, dtype=torch.int32)
+    if num_keys < SHORT_KEYS_BELOW:
+        # keys and the invalid mark fit 16 bits: a radix sort of int16 keys takes half the passes
+        # (8.4M entries at 64K: 0.25 against 0.41 ms on the H200, selected_variants5_h200.log)
+        key, bounds = (key - (1 << 15)).to(torch.int16), (bounds - (1 << 15)).to(torch.int16)
     sorted_key, order = torch.sort(key, stable=True)
-    key_offsets = torch.searchsorted(
-        sorted_key, torch.arange(num_keys + 1, device=device, dtype=torch.int32), out_int32=True)
+    key_offsets = torch.searchsorted(sorted_key, bounds, out_int32=True)
     return SelectionCSR(meta=meta, HK=HK, S=S, chunk_size=chunk_size, num_chunks=num_chunks,
                         entry_ids=order.to(torch.int32), key_offsets=key_offsets)
 

@@ -161,3 +161,22 @@ def test_nsa_attention_passes_uniform_streams(monkeypatch):
     nsa.nsa_attention(*one, *params, cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
     nsa.nsa_attention(*one, *params, cu_seqlens=torch.tensor([0, T // 2, T], dtype=torch.int32))  # equal, but packed
     assert seen == [(B, T), (1, T), None]
+
+
+@pytest.mark.parametrize("src_layout", ["heads-contiguous", "positions-contiguous"])
+def test_copy_heads_into_group_view(device, src_layout):
+    """copy_heads writes a [B, H, S, D] source into the groups' strided view exactly, from either
+    memory order a dense call may return ([B, S, H, D] or [B, H, S, D]), over tiles of heads (the last partial)."""
+    B, L, HQ, D, l, d, S = 2, 32 + 16 * 5, 40, 64, 32, 16, 5
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    o = torch.zeros(B * L, HQ, D, device=device, dtype=dtype)
+    view = dense_cmp.group_view(o, B, L, l, d, S)[:, 4 * HQ:12 * HQ]  # offsets 4..11: 320 heads, 3 tiles of 128
+    src = torch.randn(B, S, 8 * HQ, D, device=device, dtype=dtype).transpose(1, 2)
+    if src_layout == "positions-contiguous":
+        src = src.contiguous()
+    dense_cmp.copy_heads(view, src)
+    want = torch.zeros_like(o)
+    dense_cmp.group_view(want, B, L, l, d, S)[:, 4 * HQ:12 * HQ] = src
+    assert torch.equal(o, want)
+    with pytest.raises(ValueError, match="contiguous D"):
+        dense_cmp.copy_heads(view, src.float() if dtype != torch.float32 else src.double())

@@ -93,6 +93,26 @@ def test_csr_groups_entries_by_block():
     assert sorted(seen) == valid.flatten().nonzero().flatten().tolist()
 
 
+@pytest.mark.parametrize("T,HK,chunk", [(40, 2, 16), (69888, 5, 23296)])
+def test_csr_int16_keys_match_int32(monkeypatch, T, HK, chunk):
+    """The CSR sorts int16 keys when they fit; the int32 sort gives the same index. The second case
+    has 3 * 5 * 4369 = 65535 keys, the most that fit (the invalid mark is then 2^15 - 1)."""
+    from flash_msa.utils import csr as csr_mod
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(2)
+    # blocks up to 2 past the causal limit, -1 in a quarter of the slots (duplicates do not matter here)
+    bi = (torch.rand(T, HK, 2, generator=gen) * (torch.arange(T)[:, None, None] // 16 + 3)).int()
+    bi[torch.rand(T, HK, 2, generator=gen) < 0.25] = -1
+    meta = prepare_block_meta(cu, T, 16)
+    short = build_selection_csr(bi, meta, chunk_size=chunk)
+    assert short.num_chunks * HK * meta.num_blocks < csr_mod.SHORT_KEYS_BELOW
+    monkeypatch.setattr(csr_mod, "SHORT_KEYS_BELOW", 0)
+    wide = build_selection_csr(bi, meta, chunk_size=chunk)
+    assert torch.equal(short.key_offsets, wide.key_offsets) and torch.equal(short.entry_ids, wide.entry_ids)
+    assert short.key_offsets[-1] < T * HK * 2  # some entries invalid (sorted past the last key)
+    assert short.key_offsets.dtype == torch.int32 and short.entry_ids.dtype == torch.int32
+
+
 def test_block_meta_is_shared_until_cu_seqlens_changes():
     from flash_msa.utils.csr import get_block_meta
     cu = torch.tensor([0, 5, 40], dtype=torch.int32)

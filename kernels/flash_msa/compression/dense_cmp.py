@@ -48,7 +48,7 @@ from flash_msa.window.window import range_attention_bwd, range_attention_fwd
 BACKENDS = ("auto", "triton", "cudnn", "math")
 BACKEND = os.environ.get("FLASH_MSA_CMP_BACKEND", "auto")
 # crossover in compressed rows per sequence: whole op at 16K (1023 rows) 13.1 ms on the range
-# kernels against 13.7 on cuDNN, at 32K (2047) 26.5 against 25.4 (nsa_h200.md, --compare-cmp)
+# kernels against 13.7 on cuDNN, at 32K (2047) 26.5 against 25.4 (nsa_h200_229b0a5.md, --compare-cmp)
 MIN_GROUPS = 2000
 LSE_CLAMP = 1e30  # stands for +inf (a zero gate) in the lse given to the backward
 # The dense calls' transient memory (cuDNN's output and dq, its fp32 dq accumulator, the repeated

@@ -219,8 +219,10 @@ def variants(T, G, D, S, bs, device):
     # by Triton (selected_variants3_h200.log); partitions, segments and other launch settings
     # (selected_partitions_h200.log, selected_variants*_h200.log).
     # merge warps, L2 eviction hints (no gain) and the dq reduction's warps: selected_variants5_h200.log.
+    # Prefetching the next tile's entry ids / q rows in the forward and 128-row forward tiles lost,
+    # 3 backward stages won (selected_variants6_h200.log).
     fwd_variants = [{}, {"FWD_TILES": 2}, {"FWD_TILES": 8}, {"FWD_MAXNREG": 0}, {"MERGE_WARPS_SMALL_G": 4}]
-    bwd_variants = [{}, {"SEG_TILES": 32}]
+    bwd_variants = [{}, {"BWD_STAGES": 2}, {"SEG_TILES": 32}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

@@ -338,7 +338,12 @@ FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
 # (selected_variants_h200.log, fourth run); with them, uncapped 10.00 against 9.35 ms at G=4
 # and 11.87 against 11.37 at G=5 (selected_variants4_h200.log).
 FWD_MAXNREG = 128
-BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 2
+# BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids, lse and delta of the
+# next row tile load ahead; shared memory +512 B, the gathered q/do rows are not staged): forward +
+# backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5
+# (benchmarks/results/selected_variants6_h200.log; 1 stage: 25.90 / 33.31). It compiles for every
+# block size and head dim with the same registers and spills as 2 stages (kernel_resources.py).
+BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 3
 # Warps of a merge program (one token, the G heads of one KV head: a [G, D] tile per slot). One
 # warp for G <= 8, where a program's 16 slot loads then take 16-byte vectors per thread: forward
 # at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps

@@ -265,10 +265,12 @@ def variants(T, G, D, S, bs, device):
     ms3 = triton.testing.do_bench(lambda: prepare_block_meta(cu, T, bs), warmup=5, rep=20, return_mode="median")
     print(f"T={T} G={G}: build_selection_csr {ms:.2f} ms, tile_schedule {ms2:.2f} ms, prepare_block_meta {ms3:.2f} ms, "
           f"chunk {Tc}, KV heads per partition {heads}", flush=True)
-    n_keys = csr.key_offsets.numel()
+    from flash_msa.utils import csr as csr_mod
+    n_keys = csr.key_offsets.numel()  # keys and the invalid mark
     key = torch.randint(0, n_keys, (bi[0].numel(),), device=bi.device, dtype=torch.int32)
-    for dt in (torch.int32, torch.int16) if n_keys <= 1 << 16 else (torch.int32,):  # build_selection_csr's key types
-        kk = (key - 32768).to(dt) if dt == torch.int16 else key
+    short = n_keys <= csr_mod.SHORT_KEYS_BELOW  # build_selection_csr sorts these as int16
+    for dt in (torch.int32, torch.int16) if short else (torch.int32,):
+        kk = (key - (1 << 15)).to(dt) if dt == torch.int16 else key
         ms = triton.testing.do_bench(lambda: torch.sort(kk, stable=True), warmup=5, rep=20, return_mode="median")
         print(f"  stable sort of {key.numel()} {dt} keys < {n_keys}: {ms:.3f} ms", flush=True)
 

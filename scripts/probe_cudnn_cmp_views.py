@@ -11,12 +11,11 @@ import math, sys, os, json, torch
 sys.path.insert(0, "kernels")
 from triton.testing import do_bench
 from flash_msa.compression.compressed_attention import compressed_ranges
+from flash_msa.utils.compare import rel_rms as rel
 from flash_msa.utils.varlen import compressed_cu_seqlens
 from flash_msa.window.window import range_attention_fwd, range_attention_bwd
 dev = "cuda"; D, HQ, HK, l, d = 128, 32, 8, 32, 16; G = HQ // HK
 out = {}
-def rel(a, b):
-    a, b = a.float(), b.float(); return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 for B, L in ((1, 65536), (2, 32768), (1, 262144)):
     T = B * L; Tc = (L - l) // d + 1; S = Tc - 1; scale = D ** -0.5
     g = torch.Generator(device=dev).manual_seed(0)

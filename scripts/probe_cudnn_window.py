@@ -21,22 +21,19 @@ import os
 import torch
 import triton
 
+from flash_msa.compression.dense_cmp import _cudnn_bwd, _cudnn_fwd
+from flash_msa.utils.compare import rel_rms as rel
 from flash_msa.window.window import range_attention_bwd, range_attention_fwd, window_ranges
-
-CUDNN = torch.ops.aten._scaled_dot_product_cudnn_attention
-CUDNN_BWD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
 
 
 def _fwd(q4, k4, v4, scale):
-    r = CUDNN(q4, k4, v4, None, True, 0.0, True, False, scale=scale)
-    return r[0], r[1].reshape(q4.shape[:3]), (r[6], r[7], r[1].shape)
+    """cuDNN causal attention (dense_cmp's call): o, lse [N, H, S], aux for _bwd."""
+    o4, lse4, aux = _cudnn_fwd(q4, k4, v4, scale)
+    return o4, lse4[..., 0], aux
 
 
 def _bwd(do4, q4, k4, v4, o4, lse3, scale, aux):
-    seed, off, shape = aux
-    S = q4.shape[2]
-    return CUDNN_BWD(do4, q4, k4, v4, o4, lse3.contiguous().view(shape), seed, off, None, None, None, S, S, 0.0, True,
-                     scale=scale)
+    return _cudnn_bwd(do4, q4, k4, v4, o4, lse3.contiguous()[..., None], scale, aux)
 
 
 def part_b_rows(x, B, L, C):
@@ -91,11 +88,6 @@ def cudnn_window_bwd(q, k, v, o, lse, do, B, L, C, scale, aux):
     dk.view(B, L // C, C, HK, D)[:, :-1, 1:] += dkB.transpose(1, 2).reshape(B, L // C - 1, C - 1, HK, D).flip(2)
     dv.view(B, L // C, C, HK, D)[:, :-1, 1:] += dvB.transpose(1, 2).reshape(B, L // C - 1, C - 1, HK, D).flip(2)
     return dq, dk, dv
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 def main():

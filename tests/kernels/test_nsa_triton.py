@@ -41,8 +41,11 @@ def test_nsa_triton_matches_reference(case, device):
 
 
 # the interpreter evaluates both sides of tl.where: log2(0) and -inf - -inf, then discarded
-@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning",
-                            "ignore:invalid value encountered in subtract:RuntimeWarning")
+ZERO_GATE_WARNINGS = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning",
+                                                "ignore:invalid value encountered in subtract:RuntimeWarning")
+
+
+@ZERO_GATE_WARNINGS
 def test_nsa_triton_gates_zero_and_one(device):
     """Gates of exactly 0 and 1: the fused backward runs each branch with lse - log(gate), +inf
     at a zero gate (flash_msa/fused.py), next to rows that see no compressed token (lse -inf)."""
@@ -62,8 +65,7 @@ def test_nsa_triton_fmsa_partitions(device, monkeypatch):
     _check_against_reference("varlen-G5", device)
 
 
-@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning",
-                            "ignore:invalid value encountered in subtract:RuntimeWarning")
+@ZERO_GATE_WARNINGS
 def test_nsa_triton_dense_compressed_attention(device, monkeypatch):
     """A dense batch (B = 2, no cu_seqlens): compressed attention runs as dense grouped attention
     inside the single Function (compression/dense_cmp.py: cuDNN on CUDA, plain PyTorch on CPU),

@@ -111,7 +111,7 @@ def cases():
         sig = dict(po=B, plse=F, o=B, lse=F, block_indices=I, tok_start=I, c0="i64", hk0="i32", T="i32")
         out.append((f"fmsa_merge G={G}", fmsa.fmsa_merge_kernel, sig,
                     dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16, HKG=HKG), ("T",),
-                    dict(num_warps=4)))
+                    dict(num_warps=fmsa._merge_warps(G))))
         sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dk=F, dv=F, dkp=F, dvp=F, dqp=B, entry_ids=I, key_offsets=I,
                    seg_key=I, seg_first=I, slot_first=I, block_start=I, block_end=I,
                    k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32", scale="fp32")

@@ -19,4 +19,5 @@ def test_kernel_resources_reports_sm90_registers():
     assert [c[0].strip() for c in rows] == ["fmsa_fwd G=4", "fmsa_merge G=4"]
     for cells in rows:
         regs, shared, blocks = int(cells[1]), int(cells[4]), int(cells[5])
-        assert 0 < regs <= 255 and shared > 0 and blocks >= 1
+        # the forward stages its matmul operands in shared memory; the one-warp merge needs none
+        assert 0 < regs <= 255 and blocks >= 1 and (shared > 0 if "fwd" in cells[0] else shared >= 0)

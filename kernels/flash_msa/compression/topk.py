@@ -25,6 +25,11 @@ blocks, up to the tile's last own block, and for each chunk:
    (``_bitonic_sort``, ``_bitonic_merge_desc``) and Triton's (``tl.sort``, ``tl.bitonic_merge``),
    which is faster on the GPU; both sort the same int64 keys exactly, so they agree bit for bit.
 
+Only a tile's first chunk and its last one or two need step 1's visibility mask and step 3's
+forced and causal blocks: the chunks between, whose compressed rows every token of the tile sees
+and whose blocks all lie before every token's block but one, run without them (``INTERIOR``), in
+the same order, so the result is the same bit for bit.
+
 Memory is O(T * n) for the output; no [T, T/d] score matrix exists anywhere. The first n keys
 of the list are the top n; they are written ascending by block, -1 padded (the reference
 order). Supports l <= l' with l'/d a power of two (a compressed token spans at most two
@@ -75,12 +80,70 @@ def _bitonic_merge_desc(x, R: tl.constexpr, LOG_M: tl.constexpr):
 
 
 @triton.jit
+def _select_chunk(b_top, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb,
+                  w_in, w_out, o_prev, b_qs, b_lses, n_vis_r, scale2,
+                  HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                  STRIDE: tl.constexpr, SLC: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr, GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
+                  MASK: tl.constexpr):
+    # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller)
+    o_c = j0 * (SLC // STRIDE) + tl.arange(0, BC)  # [BC] compressed tokens (relative) starting in the chunk
+    p_k = k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :]
+    if MASK:
+        b_k = tl.load(p_k, mask=(o_c < n_vis_max)[:, None] & m_d[None, :], other=0.)  # [BC, BD]
+    else:
+        b_k = tl.load(p_k, mask=m_d[None, :], other=0.)
+    if STACK:
+        b_s = tl.dot(b_qs, tl.trans(b_k)) * scale2  # [BT*GP, BC]
+        b_ps = tl.exp2(b_s - b_lses[:, None])
+        if MASK:
+            b_ps = tl.where(o_c[None, :] < n_vis_r[:, None], b_ps, 0.)
+        b_p = tl.sum(tl.reshape(b_ps, [BT, GP, BC]), 1)  # [BT, BC]
+    else:
+        m_vis = o_c[None, :] < n_vis[:, None]  # [BT, BC]
+        b_p = tl.zeros([BT, BC], dtype=tl.float32)
+        for i_g in range(G):
+            o_hq = i_h * G + i_g
+            b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :],
+                          mask=m_t[:, None] & m_d[None, :], other=0.)  # [BT, BD]
+            b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E  # [BT]
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
+            if MASK:
+                b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
+            else:
+                b_p += tl.exp2(b_s - b_lse[:, None])
+    o_j = j0 + o_nb  # [NB] blocks of the chunk
+    b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
+    b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
+    b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
+    # block j receives block j - 1's spill (the chunk's first block the carry)
+    b_prev = tl.gather(b_out, o_prev, 1)
+    b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
+    b_carry = tl.sum(tl.where(o_nb[None, :] == NB - 1, b_out, 0.), 1)  # [BT]
+    if MASK:  # forced blocks
+        m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
+        b_sc = tl.where(m_forced, float("inf"), b_sc)
+    b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-o_j[None, :] + _LOW).to(tl.int64)
+    if MASK:  # blocks after the own block, and tokens past the sequence
+        b_key = tl.where((o_j[None, :] <= own[:, None]) & m_t[:, None], b_key, -1)
+    # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
+    # sequence holding the top NB of both (the first step of a bitonic merge); sort it.
+    if TL_SORT:  # Triton's network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
+        b_key = tl.sort(b_key)
+        b_top = tl.bitonic_merge(tl.maximum(b_top, b_key), descending=True)
+    else:
+        b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
+        b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
+    return b_top, b_carry
+
+
+@triton.jit
 def select_blocks_kernel(
     q, k, lse, cu, cu_cmp, tile_seq, tile_t0, out, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
+    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, INTERIOR: tl.constexpr,
 ):
     # the table from its end: the tiles whose tokens see the most blocks start first
     i_p, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -112,6 +175,8 @@ def select_blocks_kernel(
         b_lses = tl.where(m_r, b_lses, float("inf"))
         t_rrel = (o_rt - bos).to(tl.int32)
         n_vis_r = tl.where(m_r & (t_rrel >= BLOCK - 1), (t_rrel - BLOCK + 1) // STRIDE + 1, 0)  # [BT*GP]
+    else:
+        b_qs, b_lses, n_vis_r = o_t, o_t, o_t  # unread
 
     # the overlap map is banded: the R = l'/d tokens starting in block j give it the share w_in[r]
     # of their keys and spill w_out[r] into block j + 1, which takes it from column j - 1 (o_prev)
@@ -122,47 +187,32 @@ def select_blocks_kernel(
 
     b_top = tl.full([BT, NB], -1, dtype=tl.int64)  # running top-NB keys, descending
     b_carry = tl.zeros([BT], dtype=tl.float32)  # spill of the previous chunk into this chunk's first block
-    for j0 in range(0, own_max + 1, NB):
-        o_c = j0 * (SLC // STRIDE) + tl.arange(0, BC)  # [BC] compressed tokens (relative) starting in the chunk
-        m_c = o_c < n_vis_max
-        p_k = k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :]
-        b_k = tl.load(p_k, mask=m_c[:, None] & m_d[None, :], other=0.)  # [BC, BD]
-        if STACK:
-            b_s = tl.dot(b_qs, tl.trans(b_k)) * scale2  # [BT*GP, BC]
-            b_ps = tl.where(o_c[None, :] < n_vis_r[:, None], tl.exp2(b_s - b_lses[:, None]), 0.)
-            b_p = tl.sum(tl.reshape(b_ps, [BT, GP, BC]), 1)  # [BT, BC]
-        else:
-            m_vis = o_c[None, :] < n_vis[:, None]  # [BT, BC]
-            b_p = tl.zeros([BT, BC], dtype=tl.float32)
-            for i_g in range(G):
-                o_hq = i_h * G + i_g
-                b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :],
-                              mask=m_t[:, None] & m_d[None, :], other=0.)  # [BT, BD]
-                b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E  # [BT]
-                b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
-                b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
-        o_j = j0 + o_nb  # [NB] blocks of the chunk
-        b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
-        b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
-        b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
-        # block j receives block j - 1's spill (the chunk's first block the carry)
-        b_prev = tl.gather(b_out, o_prev, 1)
-        b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
-        b_carry = tl.sum(tl.where(o_nb[None, :] == NB - 1, b_out, 0.), 1)  # [BT]
-        # forced and causal blocks
-        m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
-        b_sc = tl.where(m_forced, float("inf"), b_sc)
-        m_cand = (o_j[None, :] <= own[:, None]) & m_t[:, None]
-        b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-o_j[None, :] + _LOW).to(tl.int64)
-        b_key = tl.where(m_cand, b_key, -1)
-        # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
-        # sequence holding the top NB of both (the first step of a bitonic merge); sort it.
-        if TL_SORT:  # Triton's network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
-            b_key = tl.sort(b_key)
-            b_top = tl.bitonic_merge(tl.maximum(b_top, b_key), descending=True)
-        else:
-            b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
-            b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
+    # Chunks 1 .. c_in - 1 are interior for every token of the tile: all their compressed rows
+    # visible, none of their blocks forced (0, own - 1, own) or after the own block. They skip
+    # those masks; the first chunk and the last ones keep them. Same chunk order: same result.
+    n_chunks = tl.cdiv(own_max + 1, NB)
+    if INTERIOR:
+        own_min = tl.min(tl.where(m_t, own, _LOW), 0)
+        n_vis_min = tl.min(tl.where(m_t, n_vis, _LOW), 0)
+        # (at most n_chunks: a spare tile has no valid token, and its minima are _LOW)
+        c_in = tl.maximum(tl.minimum(tl.minimum(n_vis_min // BC, tl.maximum(own_min - 1, 0) // NB), n_chunks), 1)
+        for c in range(0, tl.minimum(n_chunks, 1)):
+            b_top, b_carry = _select_chunk(
+                b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
+                w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
+                STACK, TL_SORT, True)
+        for c in range(1, c_in):
+            b_top, b_carry = _select_chunk(
+                b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
+                w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
+                STACK, TL_SORT, False)
+    else:
+        c_in = 0
+    for c in range(c_in, n_chunks):
+        b_top, b_carry = _select_chunk(
+            b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
+            w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
+            STACK, TL_SORT, True)
 
     # the first TOPK keys are the top n; write their blocks ascending, -1 padded
     m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
@@ -223,18 +273,20 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     cfg.update(LAUNCH_OVERRIDE)
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
+    interior = cfg.get("interior", True)
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
     select_blocks_kernel[(seq.numel(), HK)](
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
-        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, **opts)
+        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, INTERIOR=interior,
+        **opts)
     return out
 
 
-# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort") that replace _launch's; tests and
-# scripts/tune_nsa.py set them.
+# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior") that replace _launch's;
+# tests and scripts/tune_nsa.py set them. "interior" False runs every chunk with the masks.
 LAUNCH_OVERRIDE: dict = {}
 
 

@@ -100,7 +100,6 @@ def _select_chunk(b_top, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max
             b_ps = tl.where(o_c[None, :] < n_vis_r[:, None], b_ps, 0.)
         b_p = tl.sum(tl.reshape(b_ps, [BT, GP, BC]), 1)  # [BT, BC]
     else:
-        m_vis = o_c[None, :] < n_vis[:, None]  # [BT, BC]
         b_p = tl.zeros([BT, BC], dtype=tl.float32)
         for i_g in range(G):
             o_hq = i_h * G + i_g
@@ -109,7 +108,7 @@ def _select_chunk(b_top, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max
             b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E  # [BT]
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
             if MASK:
-                b_p += tl.where(m_vis, tl.exp2(b_s - b_lse[:, None]), 0.)
+                b_p += tl.where(o_c[None, :] < n_vis[:, None], tl.exp2(b_s - b_lse[:, None]), 0.)
             else:
                 b_p += tl.exp2(b_s - b_lse[:, None])
     o_j = j0 + o_nb  # [NB] blocks of the chunk

@@ -205,20 +205,6 @@ def bench_model(name, T, args, device, row):
             TB.fused = fused
         save(args)
 
-    if args.compare_streams:
-        # the window on the main stream too (flash_msa/fused.py, WINDOW_STREAM), side by side
-        from flash_msa import fused as _fused
-        shipped = _fused.WINDOW_STREAM
-        _fused.WINDOW_STREAM = not shipped
-        try:
-            with torch.no_grad():
-                row["other_stream_fwd_ms"] = timer(fwd, T, args)
-            row["other_stream_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
-            row["other_stream_window_stream"] = not shipped
-        finally:
-            _fused.WINDOW_STREAM = shipped
-        save(args)
-
     if args.compare_cmp:
         # the other compressed-attention backend (Triton range kernels / cuDNN), side by side
         other = "cudnn" if row["cmp_backend"] == "triton" else "triton"
@@ -365,18 +351,6 @@ def write_markdown(res, path):
             lines.append("| " + " | ".join([r["model"], str(r["T"]), _f(r.get("composed_fwd_ms")),
                                              _f(r.get("composed_fwd_bwd_ms")), _f(r.get("nsa_fwd_bwd_ms")),
                                              _f(r.get("composed_peak_mib"), 0), _f(r.get("nsa_peak_mib"), 0)]) + " |")
-    st_rows = [r for r in res["rows"] if r.get("other_stream_fwd_bwd_ms")]
-    if st_rows:
-        lines += ["", "The window on a second CUDA stream or on the main one (flash_msa/fused.py, `WINDOW_STREAM`; "
-                  "`--compare-streams`, same run):", "",
-                  "| model | T | two streams fwd | two streams f+b | one stream fwd | one stream f+b |",
-                  "|---|---|---|---|---|---|"]
-        for r in st_rows:
-            pair = [(r.get("nsa_fwd_ms"), r.get("nsa_fwd_bwd_ms")), (r.get("other_stream_fwd_ms"), r.get("other_stream_fwd_bwd_ms"))]
-            if r.get("other_stream_window_stream"):
-                pair.reverse()
-            lines.append("| " + " | ".join([r["model"], str(r["T"]), _f(pair[0][0]), _f(pair[0][1]), _f(pair[1][0]),
-                                             _f(pair[1][1])]) + " |")
     cmp_rows = [r for r in res["rows"] if r.get("triton_cmp_fwd_bwd_ms") or r.get("cudnn_cmp_fwd_bwd_ms")]
     if cmp_rows:
         lines += ["", "Compressed attention on the Triton range kernels against cuDNN's dense grouped form "
@@ -455,8 +429,6 @@ def main():
     p.add_argument("--plot-only", default=None)
     p.add_argument("--compare-composed", action="store_true",
                    help="also time the whole op as one autograd Function per branch (before flash_msa/fused.py)")
-    p.add_argument("--compare-streams", action="store_true",
-                   help="also time the whole op with the window on the other stream setting (flash_msa/fused.py)")
     p.add_argument("--compare-cmp", action="store_true",
                    help="also time the whole op with compressed attention on the other backend (Triton / cuDNN)")
     p.add_argument("--dense-from", default=None,

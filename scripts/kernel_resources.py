@@ -129,14 +129,11 @@ def cases():
         sig = dict(q=B, k=B, lse=F, cu=I, cu_cmp=I, tile_seq=I, tile_t0=I, out=I, scale2="fp32")
         cfg = topk._launch(torch.device("cuda"))
         shipped = cfg.get("tl_sort", False)
-        interior = int(cfg.get("interior", 1))
-        # the shipped sort network and interior mode, the other network, the other interior mode
-        for tl_sort, mode in ((shipped, interior), (not shipped, interior), (shipped, 3 - interior)):
-            out.append((f"select_blocks{' tl_sort' if tl_sort else ' own-sort'} interior={mode} G={G}",
-                        topk.select_blocks_kernel, sig,
-                        dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16,
-                             LOG_NB=4, BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"],
-                             TL_SORT=tl_sort, INTERIOR=mode), (), cfg["opts"]))
+        for tl_sort in (shipped, not shipped):  # the shipped sort network, then the other
+            out.append((f"select_blocks{' tl_sort' if tl_sort else ' own-sort'} G={G}", topk.select_blocks_kernel,
+                        sig, dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16,
+                                  LOG_NB=4, BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"],
+                                  TL_SORT=tl_sort, INTERIOR=cfg.get("interior", True)), (), cfg["opts"]))
         for kind in ("cmp", "window"):
             tiles = w._tiles(128, torch.device("cuda"), kind)
             for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F)),

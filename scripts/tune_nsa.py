@@ -51,18 +51,13 @@ RANGE_CANDIDATES = {
 }
 TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and register caps were swept in
                    # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md, the overlap fold and the
-                   # tile order in tune_h200_topk_fold.md and tune_h200_dkdv_schedule.md, the
-                   # interior chunks (modes 0 and 1) in tune_h200_topk_interior.md
-                   dict(BT=64, stack=False, tl_sort=True, interior=0,
+                   # tile order in tune_h200_topk_fold.md and tune_h200_dkdv_schedule.md
+                   dict(BT=64, stack=False, tl_sort=True, interior=False,
                         opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
-                   dict(BT=64, stack=False, tl_sort=True, interior=1,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
-                   dict(BT=64, stack=False, tl_sort=True, interior=2,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
-                   dict(BT=64, stack=False, tl_sort=True, interior=2,
+                   dict(BT=64, stack=False, tl_sort=True, interior=True,
                         opts=dict(num_warps=4, num_stages=2, maxnreg=168)),
-                   dict(BT=64, stack=False, tl_sort=True, interior=2,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=128))]
+                   dict(BT=64, stack=False, tl_sort=True, interior=False,
+                        opts=dict(num_warps=4, num_stages=2, maxnreg=168))]
 
 
 def rnd(gen, *shape):  # random bf16, never zero

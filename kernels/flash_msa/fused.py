@@ -14,12 +14,6 @@ dq. This backward needs none of that:
    (loaded, added in fp32, stored in dq's dtype: the rounding of autograd's sum), in that fixed
    order: deterministic.
 
-On CUDA the window, which needs nothing of the other branches, runs on a second stream
-(``WINDOW_STREAM``): its forward beside compressed attention, top-k and selected attention, its
-dk/dv kernel beside their backward, so that its programs fill the SMs those kernels leave idle
-(their tails, the merge and reduction launches). Its dq kernel stays on the main stream, in the
-order above, since it adds to dq.
-
 The forward runs the same kernels as the composed path; what the backward keeps is the same
 but the three branch output gradients and their sums are never materialised, so the peak memory
 of a forward + backward is lower. Compression (phi) stays its own autograd Function: this one
@@ -27,7 +21,6 @@ returns the gradients of the compressed keys and values.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -43,38 +36,6 @@ from flash_msa.utils.cache import per_batch
 from flash_msa.window.window import range_attention_bwd, range_attention_fwd, window_ranges
 
 _SELECTED = {"fmsa": (_fmsa.fmsa_forward, _fmsa.fmsa_backward), "nsa": (_nsa.nsa_forward, _nsa.nsa_backward)}
-# the window's forward and dk/dv on a second CUDA stream (module docstring); the benchmark flips it
-# to time both (scripts/bench_nsa.py --compare-streams)
-WINDOW_STREAM = True
-_STREAMS: dict = {}
-
-
-def _side_stream(x: torch.Tensor) -> Optional[torch.cuda.Stream]:
-    """The second stream of x's device, created once; None off CUDA or with WINDOW_STREAM off."""
-    if not (WINDOW_STREAM and x.is_cuda):
-        return None
-    if x.device not in _STREAMS:
-        _STREAMS[x.device] = torch.cuda.Stream(x.device)
-    return _STREAMS[x.device]
-
-
-def _fork(side: Optional[torch.cuda.Stream]):
-    """Context to run on ``side`` after what the current stream has queued (a no-op for None)."""
-    if side is None:
-        return contextlib.nullcontext()
-    side.wait_stream(torch.cuda.current_stream(side.device))
-    return torch.cuda.stream(side)
-
-
-def _join(side: Optional[torch.cuda.Stream], *made: torch.Tensor) -> None:
-    """The current stream waits for ``side``; tensors made on ``side`` are then used here, so the
-    allocator must not hand their memory to ``side`` again before this stream is done with them."""
-    if side is None:
-        return
-    main = torch.cuda.current_stream(side.device)
-    main.wait_stream(side)
-    for t in made:
-        t.record_stream(main)
 
 
 def fused_impl(q: torch.Tensor, k: torch.Tensor, slc_block: int, slc_topk: int, impl: str) -> Optional[str]:
@@ -96,9 +57,6 @@ class NSAAttentionFunction(torch.autograd.Function):
         q, k, v, k_cmp, v_cmp, gates = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates))
         T = q.shape[0]
         wr = per_batch(window_ranges, cu, T, window)
-        side = _side_stream(q)
-        with _fork(side):
-            o_swa, lse_swa = range_attention_fwd(q, k, v, wr[0], wr[1], scale, "window")
         if dense is not None:  # compressed attention as dense grouped attention (compression/dense_cmp.py)
             cr = None
             o_cmp, lse_cmp, ctx.cmp_aux = dense_cmp_forward(q, k_cmp, v_cmp, dense, cmp_block, cmp_stride, scale)
@@ -107,7 +65,7 @@ class NSAAttentionFunction(torch.autograd.Function):
             o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, cr[0], cr[1], scale, "cmp")
         idx = select_blocks(q, k_cmp, lse_cmp, cu, cu_cmp, cmp_block, cmp_stride, slc_block, slc_topk, scale)
         o_slc, lse_slc, state = _SELECTED[impl][0](q, k, v, idx, slc_block, cu, scale)
-        _join(side, o_swa, lse_swa)
+        o_swa, lse_swa = range_attention_fwd(q, k, v, wr[0], wr[1], scale, "window")
         o = gate_combine_fwd(o_cmp, o_slc, o_swa, gates, q.dtype)
         ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa, idx)
         ctx.cr, ctx.wr, ctx.state, ctx.scale, ctx.impl = cr, wr, state, scale, impl
@@ -121,20 +79,15 @@ class NSAAttentionFunction(torch.autograd.Function):
         do = do.contiguous()
         # delta and the gate-shifted lse of each branch, [3, T, HQ]: compressed, selected, window
         dgates, delta, lse = gate_backward_branches(o_cmp, o_slc, o_swa, gates, do, lse_cmp, lse_slc, lse_swa)
-        side = _side_stream(q)
-        with _fork(side):  # the window's dk/dv; its dq below, in the order of the adds
-            _, dk, dv = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
-                                            delta=delta[2], parts="dkdv")
         if ctx.dense is not None:  # cuDNN computes delta[0] = rowsum(o_cmp * do) itself
             dq, dk_cmp, dv_cmp = dense_cmp_backward(q, k_cmp, v_cmp, o_cmp, lse[0], do, ctx.dense, *ctx.cmp_sizes,
                                                     scale, ctx.cmp_aux, delta=delta[0])
         else:
             dq, dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, None, lse[0], do, None, *ctx.cr, scale, "cmp",
                                                      delta=delta[0])
-        dq, _, _ = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
-                                       delta=delta[2], dq=dq, parts="dq")
+        dq, dk, dv = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
+                                         delta=delta[2], dq=dq)
         dq, dk_slc, dv_slc = _SELECTED[ctx.impl][1](q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq)
-        _join(side, dk, dv)
         dk += dk_slc
         dv += dv_slc
         return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None, None

@@ -144,32 +144,3 @@ def test_fused_gate_combination(device):
     for name, a, b in zip(("dgates", "do_cmp", "do_slc", "do_swa"), torch.autograd.grad(o, (g, *outs), do),
                           torch.autograd.grad(o_ref, (g, *outs), do)):
         assert_close(name, a, b, 1e-5 if device == "cpu" else 1e-2)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the second stream exists on CUDA only")
-def test_nsa_window_stream_same_result():
-    """The window on a second CUDA stream (flash_msa/fused.py, WINDOW_STREAM) gives the output and
-    every gradient of the op on one stream, bit for bit (a packed stream: compressed attention on
-    the deterministic range kernels), and the allocator's reuse across the streams corrupts
-    nothing over repeated calls."""
-    from flash_msa import fused
-    cu_list, HQ, HK, D, sizes = CASES["varlen-G5"]
-    cu, leaves = _inputs(cu_list, HQ, HK, D, sizes["cmp_block"], "cuda", torch.bfloat16)
-    q, k, v, gates, kw, kp, vw, vp, kj, vj = leaves
-    do = torch.randn_like(q)
-    got = {}
-    for on in (False, True, True):
-        fused.WINDOW_STREAM = on
-        try:
-            o = nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=D ** -0.5, k_cmp_proj=kj,
-                              v_cmp_proj=vj, **sizes)
-            out = (o, *torch.autograd.grad(o, leaves, do))
-        finally:
-            fused.WINDOW_STREAM = True
-        if on in got:
-            for a, b in zip(got[on], out):
-                assert torch.equal(a, b)
-        got[on] = out
-    assert fused._STREAMS  # the second stream ran
-    for a, b in zip(got[False], got[True]):
-        assert torch.equal(a, b)

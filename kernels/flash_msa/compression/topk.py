@@ -85,9 +85,8 @@ def _select_chunk(b_top, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max
                   HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   STRIDE: tl.constexpr, SLC: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr, GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
-                  MASK: tl.constexpr, FORCE0: tl.constexpr):
-    # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller),
-    # FORCE0: which may be the first one
+                  MASK: tl.constexpr):
+    # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller)
     o_c = j0 * (SLC // STRIDE) + tl.arange(0, BC)  # [BC] compressed tokens (relative) starting in the chunk
     p_k = k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :]
     if MASK:
@@ -123,8 +122,6 @@ def _select_chunk(b_top, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max
     if MASK:  # forced blocks
         m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
         b_sc = tl.where(m_forced, float("inf"), b_sc)
-    elif FORCE0:  # an interior first chunk: block 0, forced for every token, by one compare
-        b_sc = tl.where(o_j[None, :] == 0, float("inf"), b_sc)
     b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-o_j[None, :] + _LOW).to(tl.int64)
     if MASK:  # blocks after the own block, and tokens past the sequence
         b_key = tl.where((o_j[None, :] <= own[:, None]) & m_t[:, None], b_key, -1)
@@ -189,36 +186,32 @@ def select_blocks_kernel(
 
     b_top = tl.full([BT, NB], -1, dtype=tl.int64)  # running top-NB keys, descending
     b_carry = tl.zeros([BT], dtype=tl.float32)  # spill of the previous chunk into this chunk's first block
-    # Chunks 0 .. c_in - 1 are interior for every token of the tile: all their compressed rows
-    # visible, none of their blocks after the own block or forced (own - 1, own; block 0 only in
-    # chunk 0). They skip those masks (INTERIOR 2: block 0 forced by one compare; INTERIOR 1:
-    # chunk 0 always masked); the last chunks keep them. Same chunk order: same result.
+    # Chunks 1 .. c_in - 1 are interior for every token of the tile: all their compressed rows
+    # visible, none of their blocks forced (0, own - 1, own) or after the own block. They skip
+    # those masks; the first chunk and the last ones keep them. Same chunk order: same result.
     n_chunks = tl.cdiv(own_max + 1, NB)
-    c_in = 0
-    if INTERIOR > 0:
+    if INTERIOR:
         own_min = tl.min(tl.where(m_t, own, _LOW), 0)
         n_vis_min = tl.min(tl.where(m_t, n_vis, _LOW), 0)
         # (at most n_chunks: a spare tile has no valid token, and its minima are _LOW)
-        c_in = tl.minimum(tl.minimum(n_vis_min // BC, tl.maximum(own_min - 1, 0) // NB), n_chunks)
-        c_first = 0
-        if INTERIOR == 1:  # the first chunk masked, by the masked copy of the chunk code
-            c_first = tl.minimum(n_chunks, 1)
-            c_in = tl.maximum(c_in, 1)
-            for c in range(0, c_first):
-                b_top, b_carry = _select_chunk(
-                    b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb,
-                    w_in, w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB,
-                    BT, BC, GP, STACK, TL_SORT, True, False)
-        for c in range(c_first, c_in):
+        c_in = tl.maximum(tl.minimum(tl.minimum(n_vis_min // BC, tl.maximum(own_min - 1, 0) // NB), n_chunks), 1)
+        for c in range(0, tl.minimum(n_chunks, 1)):
             b_top, b_carry = _select_chunk(
                 b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, False, INTERIOR == 2)
+                STACK, TL_SORT, True)
+        for c in range(1, c_in):
+            b_top, b_carry = _select_chunk(
+                b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
+                w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
+                STACK, TL_SORT, False)
+    else:
+        c_in = 0
     for c in range(c_in, n_chunks):
         b_top, b_carry = _select_chunk(
             b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
             w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-            STACK, TL_SORT, True, False)
+            STACK, TL_SORT, True)
 
     # the first TOPK keys are the top n; write their blocks ascending, -1 padded
     m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
@@ -279,7 +272,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     cfg.update(LAUNCH_OVERRIDE)
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
-    interior = int(cfg.get("interior", 1))
+    interior = cfg.get("interior", True)
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
@@ -292,9 +285,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
 
 
 # Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior") that replace _launch's;
-# tests and scripts/tune_nsa.py set them. "interior": 0 runs every chunk with the masks; 1 the first
-# chunk masked, then the interior ones unmasked; 2 the first chunk too in the unmasked copy when it
-# is interior, block 0 forced there by one compare (two copies of the chunk code instead of three).
+# tests and scripts/tune_nsa.py set them. "interior" False runs every chunk with the masks.
 LAUNCH_OVERRIDE: dict = {}
 
 

@@ -352,22 +352,12 @@ def range_attention_fwd(q, k, v, lo, hi, scale: float, kind: str = "window"):
 
 
 def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: float, kind: str = "window", *,
-                        delta: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None,
-                        parts: str = "dq,dkdv"):
+                        delta: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None):
     """Gradients (dq, dk, dv) of range attention; dlse (or None) is the gradient of lse.
 
     ``delta`` ([T, HQ] fp32, rowsum(o * do) - dlse) may be given, then ``o`` and ``dlse`` are not
     read; a given ``dq`` holds other branches' dq, which this adds to (flash_msa/fused.py).
-    ``parts`` "dq" or "dkdv" runs one of the two kernels, so that the caller may run them on two
-    streams (dk, dv come back None with "dq"; dq comes back as given with "dkdv"); either needs
-    ``delta``.
     """
-    names = set(parts.split(","))
-    if not names or names - {"dq", "dkdv"}:
-        raise ValueError(f"range_attention_bwd: parts must name 'dq' and/or 'dkdv', got {parts!r}")
-    run_dq, run_dkdv = "dq" in names, "dkdv" in names
-    if not (run_dq and run_dkdv) and delta is None:
-        raise ValueError(f"range_attention_bwd: parts={parts!r} needs delta")
     T, HQ, D = q.shape
     Tk, HK = k.shape[:2]
     G = HQ // HK
@@ -380,19 +370,16 @@ def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: floa
         BR = 64
         range_attn_bwd_preprocess_kernel[(triton.cdiv(T * HQ, BR),)](
             o, do, dlse.float().contiguous(), delta, T * HQ, D=D, BD=BD, BR=BR)
-    dk = dv = None
-    if run_dq:
-        acc = dq is not None
-        if not acc:
-            dq = torch.empty_like(q)
-        BM, BN, opts = cfg["dq"]
-        range_attn_bwd_dq_kernel[(triton.cdiv(T * G, BM), HK)](
-            q, k, v, do, lse, delta, dq, lo, hi, scale * LOG2E, scale, T, Tk,
-            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, ACC=acc, **opts)
-    if run_dkdv:
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-    if run_dkdv and Tk > 0:
+    acc = dq is not None
+    if not acc:
+        dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    BM, BN, opts = cfg["dq"]
+    range_attn_bwd_dq_kernel[(triton.cdiv(T * G, BM), HK)](
+        q, k, v, do, lse, delta, dq, lo, hi, scale * LOG2E, scale, T, Tk,
+        HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, ACC=acc, **opts)
+    if Tk > 0:
         BM, BN, opts = cfg["dkdv"]
         range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN) * HK,)](
             q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale * LOG2E, scale, T, Tk,

@@ -57,32 +57,3 @@ def test_window_backward_is_deterministic(device):
 def test_window_interior_tiles(group, device, small_range_tiles):
     HQ, HK = GROUPS[group]
     _check([0, 7, 90, 160], HQ, HK, 16, 40, device)
-
-
-def test_window_backward_parts(device):
-    """The dq and dk/dv kernels run one at a time (parts="dq" / "dkdv", as flash_msa/fused.py runs
-    them on two streams) give the gradients of the full backward bit for bit; bad parts or a
-    missing delta are refused."""
-    from flash_msa.window.window import range_attention_bwd, range_attention_fwd, window_ranges
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cu_list, HQ, HK, D = SEQS["varlen"], 10, 2, 16
-    T = cu_list[-1]
-    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
-    q = torch.randn(T, HQ, D, device=device, dtype=dtype)
-    k, v = (torch.randn(T, HK, D, device=device, dtype=dtype) for _ in range(2))
-    wr = window_ranges(cu, T, 32)
-    o, lse = range_attention_fwd(q, k, v, wr[0], wr[1], D ** -0.5, "window")
-    do = torch.randn_like(o)
-    delta = (o.float() * do.float()).sum(-1)
-    full = range_attention_bwd(q, k, v, None, lse, do, None, *wr, D ** -0.5, "window", delta=delta)
-    dq, dk_none, dv_none = range_attention_bwd(q, k, v, None, lse, do, None, *wr, D ** -0.5, "window",
-                                               delta=delta, parts="dq")
-    dq_none, dk, dv = range_attention_bwd(q, k, v, None, lse, do, None, *wr, D ** -0.5, "window",
-                                          delta=delta, parts="dkdv")
-    assert dk_none is None and dv_none is None and dq_none is None
-    for a, b in zip(full, (dq, dk, dv)):
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="parts must name"):
-        range_attention_bwd(q, k, v, None, lse, do, None, *wr, D ** -0.5, "window", delta=delta, parts="dk")
-    with pytest.raises(ValueError, match="needs delta"):
-        range_attention_bwd(q, k, v, o, lse, do, None, *wr, D ** -0.5, "window", parts="dq")

@@ -51,12 +51,13 @@ RANGE_CANDIDATES = {
 }
 TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and register caps were swept in
                    # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md, the overlap fold and the
-                   # tile order in tune_h200_topk_fold.md and tune_h200_dkdv_schedule.md
-                   dict(BT=64, stack=False, tl_sort=True, interior=False,
+                   # tile order in tune_h200_topk_fold.md and tune_h200_dkdv_schedule.md, the
+                   # interior chunks in tune_h200_topk_interior.md, int32 keys in tune_h200_topk_key32.md
+                   dict(BT=64, stack=False, tl_sort=True, key32=False,
                         opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
-                   dict(BT=64, stack=False, tl_sort=True, interior=True,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=168)),
-                   dict(BT=64, stack=False, tl_sort=True, interior=False,
+                   dict(BT=64, stack=False, tl_sort=True, key32=True,
+                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
+                   dict(BT=64, stack=False, tl_sort=True, key32=True, interior=False,
                         opts=dict(num_warps=4, num_stages=2, maxnreg=168))]
 
 
@@ -108,7 +109,8 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
                                                f"warps={cand['opts']['num_warps']} stages={cand['opts']['num_stages']}"
                                                + (" tl_sort" if cand.get("tl_sort") else " own-sort")
                                                + (f" maxnreg={cand['opts']['maxnreg']}" if "maxnreg" in cand["opts"] else "")
-                                               + (f" interior={int(cand['interior'])}" if "interior" in cand else ""))
+                                               + (f" interior={int(cand['interior'])}" if "interior" in cand else "")
+                                               + ((" key32" if cand["key32"] else " key64") if "key32" in cand else ""))
         try:
             idx = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
             same = (idx == ref).all(-1).float().mean().item()

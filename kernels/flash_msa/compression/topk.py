@@ -17,13 +17,26 @@ blocks, up to the tile's last own block, and for each chunk:
    registers. This replaced a [BC, NB] fp32 matmul in IEEE precision, on the CUDA cores: 5.83
    against 6.93 ms at 64K, 90.8 against 107.4 at 256K (benchmarks/results/tune_h200_topk_fold.md);
 3. forces block 0, the own block and the one before it (+inf), drops blocks after the own
-   block, and merges the chunk into the running top-``NB`` list: each (score, block) is packed
-   into one int64 key, ``bits(score) << 32 | (2^31 - 1 - block)`` (scores are >= 0, so the
-   float bits order like the floats; a lower block wins a tie), and the running list and the
-   chunk are merged with a bitonic network (sort the chunk ascending, take the elementwise max
-   with the descending list, bitonic-merge), keeping the top NB. Two networks do this: ours
-   (``_bitonic_sort``, ``_bitonic_merge_desc``) and Triton's (``tl.sort``, ``tl.bitonic_merge``),
-   which is faster on the GPU; both sort the same int64 keys exactly, so they agree bit for bit.
+   block, and merges the chunk into the running top-``NB`` list. Each (score, block) is one
+   int32 key (``KEY32``): the score's float bits (scores are >= 0, so the bits order like the
+   floats) with the low ``LOG_NB + 1`` bits replaced by a priority, ``NB - 1 - j`` for the
+   chunk's j-th block and ``2 NB - 1 - i`` for the list's i-th entry (the list is sorted best
+   first and its blocks all precede the chunk's), so that equal keys never occur and, at equal
+   scores, the lower block wins. The blocks are found again from the priorities after the merge
+   (a gather from the list's block row). Scores are compared on their top 18 of 23 mantissa bits
+   (17 for n > 16): two blocks whose scores differ by less than 2^-18 of the score count as tied,
+   and the lower one wins. As a token's block scores sum to at most G <= 16, two tied blocks score
+   at most 8 each, so they differ by less than 3.1e-5 (6.1e-5 for n > 16), inside the 1e-4 at
+   which the tests accept a near-tie. The exact form, one int64 key
+   ``bits(score) << 32 | (2^31 - 1 - block)``, stays (``key32`` False in LAUNCH_OVERRIDE): the
+   int32 keys halve the sort network's compares and shuffles and took the kernel from 5.34 to
+   5.05 ms at 64K and from 81.4 to 77.6 ms at 256K for G = 4, and from 6.01 to 5.77 ms for G = 5
+   (benchmarks/results/tune_h200_topk_key32.md), picking the same blocks on 99.96% of the rows
+   (the others: near-ties). The running list and the chunk are merged with a bitonic network
+   (sort the chunk ascending, take the elementwise max with the descending list, bitonic-merge),
+   keeping the top NB. Two networks do this: ours (``_bitonic_sort``, ``_bitonic_merge_desc``)
+   and Triton's (``tl.sort``, ``tl.bitonic_merge``), which is faster on the GPU; both sort the
+   same keys exactly, so they agree bit for bit.
 
 Only a tile's first chunk and its last one or two need step 1's visibility mask and step 3's
 forced and causal blocks: the chunks between, whose compressed rows every token of the tile sees
@@ -80,12 +93,12 @@ def _bitonic_merge_desc(x, R: tl.constexpr, LOG_M: tl.constexpr):
 
 
 @triton.jit
-def _select_chunk(b_top, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb,
+def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb,
                   w_in, w_out, o_prev, b_qs, b_lses, n_vis_r, scale2,
                   HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   STRIDE: tl.constexpr, SLC: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr, GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
-                  MASK: tl.constexpr):
+                  MASK: tl.constexpr, KEY32: tl.constexpr):
     # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller)
     o_c = j0 * (SLC // STRIDE) + tl.arange(0, BC)  # [BC] compressed tokens (relative) starting in the chunk
     p_k = k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :]
@@ -122,7 +135,15 @@ def _select_chunk(b_top, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max
     if MASK:  # forced blocks
         m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
         b_sc = tl.where(m_forced, float("inf"), b_sc)
-    b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-o_j[None, :] + _LOW).to(tl.int64)
+    if KEY32:
+        # int32 keys: the score's bits with the low LOG_NB + 1 bits replaced by a priority, 2NB-1-i
+        # for the list's i-th entry (its blocks all precede the chunk's, best first) and NB-1-j for
+        # the chunk's j-th block, so that equal truncated scores go to the lower block; b_blk holds
+        # the list's blocks, found again from the priorities after the merge
+        b_key = (b_sc.to(tl.int32, bitcast=True) & -(2 * NB)) | (NB - 1 - o_nb)[None, :]
+        b_top = tl.where(b_top >= 0, (b_top & -(2 * NB)) | (2 * NB - 1 - o_nb)[None, :], -1)
+    else:
+        b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-o_j[None, :] + _LOW).to(tl.int64)
     if MASK:  # blocks after the own block, and tokens past the sequence
         b_key = tl.where((o_j[None, :] <= own[:, None]) & m_t[:, None], b_key, -1)
     # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
@@ -133,7 +154,12 @@ def _select_chunk(b_top, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max
     else:
         b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
         b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
-    return b_top, b_carry
+    if KEY32:
+        b_pr = b_top & (2 * NB - 1)
+        b_from_list = b_pr >= NB
+        b_old = tl.gather(b_blk, tl.where(b_from_list, 2 * NB - 1 - b_pr, 0), 1)
+        b_blk = tl.where(b_top >= 0, tl.where(b_from_list, b_old, j0 + NB - 1 - b_pr), -1)
+    return b_top, b_blk, b_carry
 
 
 @triton.jit
@@ -143,6 +169,7 @@ def select_blocks_kernel(
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, INTERIOR: tl.constexpr,
+    KEY32: tl.constexpr,
 ):
     # the table from its end: the tiles whose tokens see the most blocks start first
     i_p, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -184,7 +211,9 @@ def select_blocks_kernel(
     w_out = tl.maximum(o_cr * STRIDE + BLOCK - SLC, 0).to(tl.float32) / BLOCK
     o_prev = tl.broadcast_to(tl.maximum(o_nb - 1, 0)[None, :], [BT, NB])
 
-    b_top = tl.full([BT, NB], -1, dtype=tl.int64)  # running top-NB keys, descending
+    # running top-NB keys, descending, and (KEY32) their blocks
+    b_top = tl.full([BT, NB], -1, dtype=tl.int32 if KEY32 else tl.int64)
+    b_blk = tl.full([BT, NB], -1, dtype=tl.int32)
     b_carry = tl.zeros([BT], dtype=tl.float32)  # spill of the previous chunk into this chunk's first block
     # Chunks 1 .. c_in - 1 are interior for every token of the tile: all their compressed rows
     # visible, none of their blocks forced (0, own - 1, own) or after the own block. They skip
@@ -196,26 +225,27 @@ def select_blocks_kernel(
         # (at most n_chunks: a spare tile has no valid token, and its minima are _LOW)
         c_in = tl.maximum(tl.minimum(tl.minimum(n_vis_min // BC, tl.maximum(own_min - 1, 0) // NB), n_chunks), 1)
         for c in range(0, tl.minimum(n_chunks, 1)):
-            b_top, b_carry = _select_chunk(
-                b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
+            b_top, b_blk, b_carry = _select_chunk(
+                b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, True)
+                STACK, TL_SORT, True, KEY32)
         for c in range(1, c_in):
-            b_top, b_carry = _select_chunk(
-                b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
+            b_top, b_blk, b_carry = _select_chunk(
+                b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, False)
+                STACK, TL_SORT, False, KEY32)
     else:
         c_in = 0
     for c in range(c_in, n_chunks):
-        b_top, b_carry = _select_chunk(
-            b_top, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
+        b_top, b_blk, b_carry = _select_chunk(
+            b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
             w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-            STACK, TL_SORT, True)
+            STACK, TL_SORT, True, KEY32)
 
     # the first TOPK keys are the top n; write their blocks ascending, -1 padded
     m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
-    b_blk = -(b_top & _LOW).to(tl.int32) + _LOW
+    if not KEY32:
+        b_blk = -(b_top & _LOW).to(tl.int32) + _LOW
     if TL_SORT:
         b_blk = tl.sort(tl.where(m_keep, b_blk, _LOW))
     else:
@@ -273,19 +303,21 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
     interior = cfg.get("interior", True)
+    key32 = cfg.get("key32", True)
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
     select_blocks_kernel[(seq.numel(), HK)](
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
-        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, INTERIOR=interior,
+        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, INTERIOR=interior, KEY32=key32,
         **opts)
     return out
 
 
-# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior") that replace _launch's;
-# tests and scripts/tune_nsa.py set them. "interior" False runs every chunk with the masks.
+# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior", "key32") that replace
+# _launch's; tests and scripts/tune_nsa.py set them. "interior" False runs every chunk with the
+# masks; "key32" False the exact int64 keys (module docstring, step 3).
 LAUNCH_OVERRIDE: dict = {}
 
 
@@ -296,11 +328,14 @@ def _launch(device) -> dict:
         # our network under the CPU interpreter: Triton's runs 7.7x slower there (181 against 24 s
         # for the top-k tests); tests/kernels/compression/test_topk.py checks that both pick the
         # same blocks, bit for bit
-        return dict(BT=32, stack=False, opts={})
+        return dict(BT=32, stack=False, key32=True, opts={})
     # benchmarks/results/tune_h200_topk_sort.md: Triton's sort network with 64 tokens per program,
     # one matmul per head, wins at every group size measured: 8.05 ms against 8.49 (our network,
     # stacked heads) at 64K and 123.3 against 130.3 at 256K for G=4; 8.57 against 9.80 at 64K for
     # G=5 (tune_h200_qwen3_topk_sort.json). Capped at 160 registers (197 uncapped) it runs 3
     # programs per SM instead of 2, at 12 spill instructions: 7.17 against 8.09 ms at 64K and
-    # 108.5 against 123.3 at 256K for G=4, 7.93 against 8.64 for G=5 (tune_h200_topk_maxnreg.md)
-    return dict(BT=64, stack=False, tl_sort=True, opts=dict(num_warps=4, num_stages=2, maxnreg=160))
+    # 108.5 against 123.3 at 256K for G=4, 7.93 against 8.64 for G=5 (tune_h200_topk_maxnreg.md).
+    # With int32 keys a 168-register cap (still 3 programs per SM) beats 160 by about 1%: 5.05
+    # against 5.10 ms at 64K and 77.6 against 78.2 at 256K for G=4, 5.77 against 5.83 for G=5
+    # (tune_h200_topk_key32.md)
+    return dict(BT=64, stack=False, tl_sort=True, key32=True, opts=dict(num_warps=4, num_stages=2, maxnreg=168))

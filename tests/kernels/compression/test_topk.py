@@ -141,3 +141,43 @@ def test_select_blocks_across_chunks(l, d, lp, device):
     """Sequences of more than one chunk of 16 blocks, so the overlap spill is carried from chunk to
     chunk, for several l'/d (a non-power of two runs the reference)."""
     _check([0, 40, 1200], 4, 2, 16, 4, lp, device, l=l, d=d)
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["loop", "stacked"])
+def test_select_blocks_key_widths_agree(stack, device, monkeypatch):
+    """int32 keys (score bits truncated to make room for a priority; the default) and the exact
+    int64 keys: each matches the reference up to near-ties, and they pick the same blocks on
+    nearly every row."""
+    from flash_msa.compression import topk
+    picked = []
+    for key32 in (True, False):
+        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, stack=stack, key32=key32))
+        torch.manual_seed(0)
+        picked.append(_check([0, 5, 300, 420], 10, 2, 16, 4, 32, device))
+    assert (picked[0] == picked[1]).all(-1).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("key32", [True, False], ids=["int32-keys", "int64-keys"])
+def test_select_blocks_exact_ties_go_to_lower_blocks(key32, device, monkeypatch):
+    """Zero compressed keys make every compressed token equally likely, so the blocks that the
+    compressed tokens cover alike tie exactly, across chunks and inside them: the lower blocks
+    must win, exactly as in the reference (n = 4 of up to 56 blocks of l' = 16)."""
+    from flash_msa.compression import topk
+    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, key32=key32))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cu_list, HQ, HK, D, l, d, lp, n = [0, 30, 900], 6, 2, 16, 16, 16, 16, 4
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
+    T = cu_list[-1]
+    q = torch.randn(T, HQ, D, device=device, dtype=dtype)
+    kc, cu_cmp = reference.compress_kv(torch.zeros(T, HK, D, device=device, dtype=dtype),
+                                       torch.randn(HK, l * D, D, device=device, dtype=dtype),
+                                       torch.zeros(HK, l, D, device=device, dtype=dtype), cu, l, d)
+    assert not kc.any()
+    _, lse = reference.compressed_attention(q, kc, kc, cu, cu_cmp, l, d, D ** -0.5)
+    idx = select_blocks(q, kc, lse, cu, cu_cmp, l, d, lp, n, D ** -0.5)
+    ref = reference.select_blocks(q, kc, lse, cu, cu_cmp, l, d, lp, n, D ** -0.5)
+    assert torch.equal(idx, ref)
+    # a late token keeps block 0 (forced), the lowest free block 1, and its own block and the one before
+    t = T - 1
+    own = (t - cu_list[1]) // lp
+    assert idx[t, 0].tolist() == [0, 1, own - 1, own]

@@ -52,13 +52,28 @@ RANGE_CANDIDATES = {
 TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and register caps were swept in
                    # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md, the overlap fold and the
                    # tile order in tune_h200_topk_fold.md and tune_h200_dkdv_schedule.md, the
-                   # interior chunks in tune_h200_topk_interior.md, int32 keys in tune_h200_topk_key32.md
+                   # interior chunks in tune_h200_topk_interior.md, int32 keys in tune_h200_topk_key32.md and
+                   # tune_h200_topk_key32_launch.md
                    dict(BT=64, stack=False, tl_sort=True, key32=False,
                         opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
                    dict(BT=64, stack=False, tl_sort=True, key32=True,
                         opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
                    dict(BT=64, stack=False, tl_sort=True, key32=True, interior=False,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=168))]
+                        opts=dict(num_warps=4, num_stages=2, maxnreg=168)),
+                   dict(BT=64, stack=False, tl_sort=True, key32=True,
+                        opts=dict(num_warps=4, num_stages=3, maxnreg=168)),
+                   dict(BT=32, stack=False, tl_sort=True, key32=True,
+                        opts=dict(num_warps=2, num_stages=2, maxnreg=168)),
+                   dict(BT=32, stack=False, tl_sort=True, key32=True,
+                        opts=dict(num_warps=4, num_stages=2, maxnreg=168)),
+                   dict(BT=32, stack=True, tl_sort=True, key32=True,
+                        opts=dict(num_warps=8, num_stages=2, maxnreg=168)),
+                   dict(BT=32, stack=True, tl_sort=True, key32=True,
+                        opts=dict(num_warps=8, num_stages=2, maxnreg=128)),
+                   dict(BT=64, stack=True, tl_sort=True, key32=True,
+                        opts=dict(num_warps=8, num_stages=2, maxnreg=128)),
+                   dict(BT=128, stack=False, tl_sort=True, key32=True,
+                        opts=dict(num_warps=8, num_stages=2, maxnreg=168))]
 
 
 def rnd(gen, *shape):  # random bf16, never zero

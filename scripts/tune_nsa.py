@@ -49,31 +49,23 @@ RANGE_CANDIDATES = {
     "dkdv": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 2, DESC=False), cfg(64, 64, 4, 2, DESC=True), cfg(128, 64, 8, 2),
              cfg(64, 64, 4, 3)],
 }
+
+
+def topk_cfg(bt, warps, stages, maxnreg, stack=False, **keys):
+    return dict(BT=bt, stack=stack, tl_sort=True, **keys,
+                opts=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
+
+
 TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and register caps were swept in
                    # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md, the overlap fold and the
                    # tile order in tune_h200_topk_fold.md and tune_h200_dkdv_schedule.md, the
                    # interior chunks in tune_h200_topk_interior.md, int32 keys in tune_h200_topk_key32.md and
                    # tune_h200_topk_key32_launch.md
-                   dict(BT=64, stack=False, tl_sort=True, key32=False,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
-                   dict(BT=64, stack=False, tl_sort=True, key32=True,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=160)),
-                   dict(BT=64, stack=False, tl_sort=True, key32=True, interior=False,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=168)),
-                   dict(BT=64, stack=False, tl_sort=True, key32=True,
-                        opts=dict(num_warps=4, num_stages=3, maxnreg=168)),
-                   dict(BT=32, stack=False, tl_sort=True, key32=True,
-                        opts=dict(num_warps=2, num_stages=2, maxnreg=168)),
-                   dict(BT=32, stack=False, tl_sort=True, key32=True,
-                        opts=dict(num_warps=4, num_stages=2, maxnreg=168)),
-                   dict(BT=32, stack=True, tl_sort=True, key32=True,
-                        opts=dict(num_warps=8, num_stages=2, maxnreg=168)),
-                   dict(BT=32, stack=True, tl_sort=True, key32=True,
-                        opts=dict(num_warps=8, num_stages=2, maxnreg=128)),
-                   dict(BT=64, stack=True, tl_sort=True, key32=True,
-                        opts=dict(num_warps=8, num_stages=2, maxnreg=128)),
-                   dict(BT=128, stack=False, tl_sort=True, key32=True,
-                        opts=dict(num_warps=8, num_stages=2, maxnreg=168))]
+                   topk_cfg(64, 4, 2, 160, key32=False), topk_cfg(64, 4, 2, 160, key32=True),
+                   topk_cfg(64, 4, 2, 168, key32=True, interior=False), topk_cfg(64, 4, 3, 168, key32=True),
+                   topk_cfg(32, 2, 2, 168, key32=True), topk_cfg(32, 4, 2, 168, key32=True),
+                   topk_cfg(32, 8, 2, 168, stack=True, key32=True), topk_cfg(32, 8, 2, 128, stack=True, key32=True),
+                   topk_cfg(64, 8, 2, 128, stack=True, key32=True), topk_cfg(128, 8, 2, 168, key32=True)]
 
 
 def rnd(gen, *shape):  # random bf16, never zero

@@ -212,7 +212,7 @@ def variants(T, G, D, S, bs, device):
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
-             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G")
+             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -221,8 +221,11 @@ def variants(T, G, D, S, bs, device):
     # merge warps, L2 eviction hints (no gain) and the dq reduction's warps: selected_variants5_h200.log.
     # Prefetching the next tile's entry ids / q rows in the forward and 128-row forward tiles lost,
     # 3 backward stages won (selected_variants6_h200.log).
-    fwd_variants = [{}, {"FWD_TILES": 2}, {"FWD_TILES": 8}, {"FWD_MAXNREG": 0}, {"MERGE_WARPS_SMALL_G": 4}]
-    bwd_variants = [{}, {"BWD_STAGES": 2}, {"SEG_TILES": 32}]
+    # The forward's tile counts, register cap and merge warps: selected_variants4/5_h200.log. Backward
+    # tiles of 64 rows on 8 warps compile without spills (255 registers, one program per SM; the
+    # shipped 128-row tiles spill), or at 128 registers two programs per SM (kernel_resources.py).
+    fwd_variants = [{}]
+    bwd_variants = [{}, {"BWD_BM": 64}, {"BWD_BM": 64, "SEG_TILES": 128}, {"BWD_BM": 64, "BWD_MAXNREG": 128}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

@@ -344,6 +344,8 @@ FWD_MAXNREG = 128
 # (benchmarks/results/selected_variants6_h200.log; 1 stage: 25.90 / 33.31). It compiles for every
 # block size and head dim with the same registers and spills as 2 stages (kernel_resources.py).
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 3
+# Register cap of the dk/dv kernel (0: none; the compiler then takes 255 at every tile size measured)
+BWD_MAXNREG = 0
 # Warps of a merge program (one token, the G heads of one KV head: a [G, D] tile per slot). One
 # warp for G <= 8, where a program's 16 slot loads then take 16-byte vectors per thread: forward
 # at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
@@ -496,7 +498,7 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
-            num_warps=BWD_WARPS, num_stages=BWD_STAGES)
+            num_warps=BWD_WARPS, num_stages=BWD_STAGES, **({"maxnreg": BWD_MAXNREG} if BWD_MAXNREG and q.is_cuda else {}))
         fmsa_bwd_dkdv_reduce_kernel[(HKG * nbc,)](
             dk_acc, dv_acc, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
             k_lo, NB, nbc, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, num_warps=8)

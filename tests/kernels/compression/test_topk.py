@@ -181,3 +181,14 @@ def test_select_blocks_exact_ties_go_to_lower_blocks(key32, device, monkeypatch)
     t = T - 1
     own = (t - cu_list[1]) // lp
     assert idx[t, 0].tolist() == [0, 1, own - 1, own]
+
+
+@pytest.mark.parametrize("key32", [True, False], ids=["int32-keys", "int64-keys"])
+def test_select_blocks_more_than_16_slots(key32, device, monkeypatch):
+    """n = 20 runs a running list of 32 (six priority bits in the int32 keys), over sequences of
+    up to 56 blocks of l' = 16, so chunks are merged into a list that is not yet full and into
+    a full one; each key width matches the reference up to near-ties."""
+    from flash_msa.compression import topk
+    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, key32=key32))
+    idx = _check([0, 30, 900], 4, 2, 16, 20, 16, device, l=16, d=16)
+    assert (idx[-1] >= 0).sum(-1).eq(20).all()

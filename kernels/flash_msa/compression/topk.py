@@ -28,8 +28,9 @@ blocks, up to the tile's last own block, and for each chunk:
    and the lower one wins. As a token's block scores sum to at most G <= 16, two tied blocks score
    at most 8 each, so they differ by less than 3.1e-5 (6.1e-5 for n > 16), inside the 1e-4 at
    which the tests accept a near-tie. The exact form, one int64 key
-   ``bits(score) << 32 | (2^31 - 1 - block)``, stays (``key32`` False in LAUNCH_OVERRIDE): the
-   int32 keys halve the sort network's compares and shuffles and took the kernel from 5.34 to
+   ``bits(score) << 32 | (2^31 - 1 - block)``, stays (``key32`` False in LAUNCH_OVERRIDE): with
+   the int32 keys the kernel has 36% fewer shuffles and 13% fewer instructions under Triton 3.6
+   (benchmarks/results/kernel_resources_sm90.md), and it went from 5.34 to
    5.05 ms at 64K and from 81.4 to 77.6 ms at 256K for G = 4, and from 6.01 to 5.77 ms for G = 5
    (benchmarks/results/tune_h200_topk_key32.md), picking the same blocks on 99.96% of the rows
    (the others: near-ties). The running list and the chunk are merged with a bitonic network

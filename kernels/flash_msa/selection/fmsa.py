@@ -354,6 +354,11 @@ BWD_MAXNREG = 0
 MERGE_WARPS_SMALL_G = 1
 
 
+def _reg_cap(cap: int, x: torch.Tensor) -> dict:
+    """Launch option for a register cap (0: none); the CPU interpreter takes no maxnreg."""
+    return {"maxnreg": cap} if cap and x.is_cuda else {}
+
+
 def _merge_warps(G: int) -> int:
     return MERGE_WARPS_SMALL_G if G <= 8 else 4
 
@@ -457,7 +462,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
             meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG,
             num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
-            **({"maxnreg": FWD_MAXNREG} if FWD_MAXNREG and q.is_cuda else {}))
+            **_reg_cap(FWD_MAXNREG, q))
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
@@ -498,7 +503,7 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
-            num_warps=BWD_WARPS, num_stages=BWD_STAGES, **({"maxnreg": BWD_MAXNREG} if BWD_MAXNREG and q.is_cuda else {}))
+            num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
         fmsa_bwd_dkdv_reduce_kernel[(HKG * nbc,)](
             dk_acc, dv_acc, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
             k_lo, NB, nbc, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, num_warps=8)

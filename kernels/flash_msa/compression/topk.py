@@ -94,18 +94,6 @@ def _bitonic_merge_desc(x, R: tl.constexpr, LOG_M: tl.constexpr):
 
 
 @triton.jit
-def _merge_desc_kv(k, v, R: tl.constexpr, LOG_M: tl.constexpr):
-    # bitonic rows k [R, 2**LOG_M] -> sorted descending, v permuted alike (keys are distinct)
-    for jj in tl.static_range(0, LOG_M):  # distance 2**(LOG_M - 1 - jj), 2**jj groups
-        k_l, k_r = tl.split(tl.permute(tl.reshape(k, [R, 1 << jj, 2, 1 << (LOG_M - 1 - jj)]), [0, 1, 3, 2]))
-        v_l, v_r = tl.split(tl.permute(tl.reshape(v, [R, 1 << jj, 2, 1 << (LOG_M - 1 - jj)]), [0, 1, 3, 2]))
-        m_sw = k_l < k_r
-        k = tl.reshape(tl.permute(tl.join(tl.where(m_sw, k_r, k_l), tl.where(m_sw, k_l, k_r)), [0, 1, 3, 2]), [R, 1 << LOG_M])
-        v = tl.reshape(tl.permute(tl.join(tl.where(m_sw, v_r, v_l), tl.where(m_sw, v_l, v_r)), [0, 1, 3, 2]), [R, 1 << LOG_M])
-    return k, v
-
-
-@triton.jit
 def _shift2(x, c, BT: tl.constexpr):
     # y [BT, 2]: y[:, 0] = c, y[:, 1] = x[:, 0]
     e, o = tl.split(tl.reshape(x, [BT, 1, 2]))
@@ -113,18 +101,16 @@ def _shift2(x, c, BT: tl.constexpr):
 
 
 @triton.jit
-def _shift_half(x, c, BT: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
-    # y [BT, N]: y[:, j] = x[:, j - 1], y[:, 0] = c, by splits and joins only (no gather, so a
-    # layout holding a row's N values in one thread's registers is kept)
+def _shift_right(x, c, BT: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+    # y [BT, N]: y[:, j] = x[:, j - 1] and y[:, 0] = c, by splits and joins (a gather made the
+    # compiler move the rows to another layout; these keep the one the fold leaves, see PERM)
     e, o = tl.split(tl.reshape(x, [BT, N // 2, 2]))  # e[a] = x[2a], o[a] = x[2a + 1]
     if LOG_N == 2:
         so = _shift2(o, c, BT)
     elif LOG_N == 3:
-        so = _shift_half(o, c, BT, 4, 2)
-    elif LOG_N == 4:
-        so = _shift_half(o, c, BT, 8, 3)
+        so = _shift_right(o, c, BT, 4, 2)
     else:
-        so = _shift_half(o, c, BT, 16, 4)
+        so = _shift_right(o, c, BT, 8, 3)
     return tl.reshape(tl.join(so, e), [BT, N])  # y[2a] = o[a - 1], y[2a + 1] = e[a]
 
 
@@ -134,21 +120,14 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
                   HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   STRIDE: tl.constexpr, SLC: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr, GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
-                  MASK: tl.constexpr, KEY32: tl.constexpr, PERM: tl.constexpr, LOG_R: tl.constexpr,
-                  KV: tl.constexpr, SHIFT_SJ: tl.constexpr):
+                  MASK: tl.constexpr, KEY32: tl.constexpr, PERM: tl.constexpr):
     # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller)
-    if PERM == 2:
-        # NB = 16, R = 4: column c = 32 j1 + 16 j0 + 8 r1 + 4 j3 + 2 j2 + r0
-        o_cc = tl.arange(0, BC)
-        o_jj = ((o_cc >> 4) & 1) + ((o_cc >> 5) & 1) * 2 + ((o_cc >> 1) & 1) * 4 + ((o_cc >> 2) & 1) * 8
-        o_c = j0 * (SLC // STRIDE) + o_jj * (SLC // STRIDE) + (o_cc & 1) + ((o_cc >> 3) & 1) * 2
-    elif PERM:
-        # column c of the scores holds block j = 2 (c >> (LOG_R + 1)) + (c & 1), offset r = (c >> 1) % R:
-        # see _launch ("perm")
-        o_cc = tl.arange(0, BC)
-        o_c = j0 * (SLC // STRIDE) + (((o_cc >> (LOG_R + 1)) << 1) | (o_cc & 1)) * (SLC // STRIDE) + ((o_cc >> 1) & (SLC // STRIDE - 1))
+    o_cc = tl.arange(0, BC)
+    if PERM:  # column c = 32 j1 + 16 j0 + 8 r1 + 4 j3 + 2 j2 + r0 holds offset r of block j (NB = 16, R = 4)
+        o_c = (j0 + ((o_cc >> 4) & 1) + ((o_cc >> 5) & 1) * 2 + ((o_cc >> 1) & 1) * 4 + ((o_cc >> 2) & 1) * 8) * 4 \
+            + (o_cc & 1) + ((o_cc >> 3) & 1) * 2
     else:
-        o_c = j0 * (SLC // STRIDE) + tl.arange(0, BC)  # [BC] compressed tokens (relative) starting in the chunk
+        o_c = j0 * (SLC // STRIDE) + o_cc  # [BC] compressed tokens (relative) starting in the chunk
     p_k = k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :]
     if MASK:
         b_k = tl.load(p_k, mask=(o_c < n_vis_max)[:, None] & m_d[None, :], other=0.)  # [BC, BD]
@@ -173,22 +152,15 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
             else:
                 b_p += tl.exp2(b_s - b_lse[:, None])
     o_j = j0 + o_nb  # [NB] blocks of the chunk
-    if PERM == 2:
-        b_p7 = tl.permute(tl.reshape(b_p, [BT, 2, 2, 2, 2, 2, 2]), [0, 4, 5, 1, 2, 3, 6])  # [BT, j3, j2, j1, j0, r1, r0]
-        b_p3 = tl.reshape(b_p7, [BT, NB, SLC // STRIDE])
-        b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
-        b_out = tl.sum(b_p3 * w_out[None, None, :], 2)
-    elif PERM:
-        b_p4 = tl.reshape(b_p, [BT, NB // 2, SLC // STRIDE, 2])
-        b_in = tl.reshape(tl.sum(b_p4 * w_in[None, None, :, None], 2), [BT, NB])  # [BT, NB]
-        b_out = tl.reshape(tl.sum(b_p4 * w_out[None, None, :, None], 2), [BT, NB])  # spill of block j into j + 1
+    if PERM:  # columns back in (block, offset) order: a relabelling, no data moves
+        b_p3 = tl.reshape(tl.permute(tl.reshape(b_p, [BT, 2, 2, 2, 2, 2, 2]), [0, 4, 5, 1, 2, 3, 6]), [BT, NB, 4])
     else:
         b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
-        b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
-        b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
+    b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
+    b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
     # block j receives block j - 1's spill (the chunk's first block the carry)
-    if SHIFT_SJ:
-        b_sc = b_in + _shift_half(b_out, b_carry, BT, NB, LOG_NB)
+    if PERM:
+        b_sc = b_in + _shift_right(b_out, b_carry, BT, NB, LOG_NB)
     else:
         b_prev = tl.gather(b_out, o_prev, 1)
         b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
@@ -209,21 +181,13 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
         b_key = tl.where((o_j[None, :] <= own[:, None]) & m_t[:, None], b_key, -1)
     # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
     # sequence holding the top NB of both (the first step of a bitonic merge); sort it.
-    if KV:
-        # blocks carried through the merge beside their keys (no gather): the chunk's from its
-        # sorted keys' priorities, the list's from b_blk
-        b_key = tl.sort(b_key) if TL_SORT else _bitonic_sort(b_key, BT, LOG_NB, 0)
-        b_list = b_top > b_key
-        b_blk = tl.where(b_list, b_blk, j0 + NB - 1 - (b_key & (2 * NB - 1)))
-        b_top, b_blk = _merge_desc_kv(tl.where(b_list, b_top, b_key), b_blk, BT, LOG_NB)
-        b_blk = tl.where(b_top >= 0, b_blk, -1)
-    elif TL_SORT:  # Triton's network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
+    if TL_SORT:  # Triton's network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
         b_key = tl.sort(b_key)
         b_top = tl.bitonic_merge(tl.maximum(b_top, b_key), descending=True)
     else:
         b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
         b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
-    if KEY32 and not KV:
+    if KEY32:
         b_pr = b_top & (2 * NB - 1)
         b_from_list = b_pr >= NB
         b_old = tl.gather(b_blk, tl.where(b_from_list, 2 * NB - 1 - b_pr, 0), 1)
@@ -238,7 +202,7 @@ def select_blocks_kernel(
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, INTERIOR: tl.constexpr,
-    KEY32: tl.constexpr, PERM: tl.constexpr, LOG_R: tl.constexpr, KV: tl.constexpr, SHIFT_SJ: tl.constexpr,
+    KEY32: tl.constexpr, PERM: tl.constexpr,
 ):
     # the table from its end: the tiles whose tokens see the most blocks start first
     i_p, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -297,19 +261,19 @@ def select_blocks_kernel(
             b_top, b_blk, b_carry = _select_chunk(
                 b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, True, KEY32, PERM, LOG_R, KV, SHIFT_SJ)
+                STACK, TL_SORT, True, KEY32, PERM)
         for c in range(1, c_in):
             b_top, b_blk, b_carry = _select_chunk(
                 b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, False, KEY32, PERM, LOG_R, KV, SHIFT_SJ)
+                STACK, TL_SORT, False, KEY32, PERM)
     else:
         c_in = 0
     for c in range(c_in, n_chunks):
         b_top, b_blk, b_carry = _select_chunk(
             b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
             w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-            STACK, TL_SORT, True, KEY32, PERM, LOG_R, KV, SHIFT_SJ)
+            STACK, TL_SORT, True, KEY32, PERM)
 
     # the first TOPK keys are the top n; write their blocks ascending, -1 padded
     m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
@@ -373,10 +337,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     tl_sort = cfg.get("tl_sort", False)
     interior = cfg.get("interior", True)
     key32 = cfg.get("key32", True)
-    perm = int(cfg.get("perm", 0))
-    if perm == 2 and not (NB == 16 and r == 4):
-        perm = 0
-    kv = cfg.get("kv", False) and key32
+    perm = cfg.get("perm", True) and NB == 16 and r == 4  # the layout PERM is written for
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
@@ -384,7 +345,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
         NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, INTERIOR=interior, KEY32=key32,
-        PERM=perm, LOG_R=r.bit_length() - 1, KV=kv, SHIFT_SJ=cfg.get("shift_sj", perm == 1), **opts)
+        PERM=perm, **opts)
     return out
 
 
@@ -411,5 +372,4 @@ def _launch(device) -> dict:
     # With int32 keys a 168-register cap (still 3 programs per SM) beats 160 by about 1%: 5.05
     # against 5.10 ms at 64K and 77.6 against 78.2 at 256K for G=4, 5.77 against 5.83 for G=5
     # (tune_h200_topk_key32.md)
-    return dict(BT=64, stack=False, tl_sort=True, key32=True, perm=2, shift_sj=True,
-                opts=dict(num_warps=4, num_stages=2, maxnreg=168))
+    return dict(BT=64, stack=False, tl_sort=True, key32=True, opts=dict(num_warps=4, num_stages=2, maxnreg=168))

@@ -137,7 +137,8 @@ def cases():
                         sig, dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16,
                                   LOG_NB=4, BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"],
                                   TL_SORT=tl_sort, INTERIOR=cfg.get("interior", True), KEY32=k32,
-                                  PERM=cfg.get("perm", True)), (), cfg["opts"]))
+                                  PERM=cfg.get("perm", True), KV=cfg.get("kv", True) and k32, LOG_BT=cfg["BT"].bit_length() - 1),
+                        (), cfg["opts"]))
         for kind in ("cmp", "window"):
             tiles = w._tiles(128, torch.device("cuda"), kind)
             for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F)),

@@ -94,6 +94,40 @@ def _bitonic_merge_desc(x, R: tl.constexpr, LOG_M: tl.constexpr):
 
 
 @triton.jit
+def _swap_kv(k, v, flip, i: tl.constexpr, n_dims: tl.constexpr):
+    # compare-and-swap of int32 keys k and values v, [2] * n_dims, along the i-th innermost
+    # dimension (the partner by an xor reduction over the pair, as Triton's own sort network does)
+    k_y = k ^ tl.xor_sum(k, n_dims - 1 - i, True)
+    v_y = v ^ tl.xor_sum(v, n_dims - 1 - i, True)
+    right = tl.reshape(tl.arange(0, 2), [1] * (n_dims - i - 1) + [2] + [1] * i)
+    m_sw = (k > k_y) != (flip ^ right)
+    return tl.where(m_sw, k_y, k), tl.where(m_sw, v_y, v)
+
+
+@triton.jit
+def _merge_desc_kv_split(k, v, R: tl.constexpr, LOG_M: tl.constexpr):
+    # _merge_desc_kv by splits and joins, like our own network: the interpreter runs it 4x faster
+    # than the xor reductions; on the GPU a split along a lane bit costs a layout conversion
+    for jj in tl.static_range(0, LOG_M):  # distance 2**(LOG_M - 1 - jj), 2**jj groups
+        k_l, k_r = tl.split(tl.permute(tl.reshape(k, [R, 1 << jj, 2, 1 << (LOG_M - 1 - jj)]), [0, 1, 3, 2]))
+        v_l, v_r = tl.split(tl.permute(tl.reshape(v, [R, 1 << jj, 2, 1 << (LOG_M - 1 - jj)]), [0, 1, 3, 2]))
+        m_sw = k_l < k_r
+        k = tl.reshape(tl.permute(tl.join(tl.where(m_sw, k_r, k_l), tl.where(m_sw, k_l, k_r)), [0, 1, 3, 2]), [R, 1 << LOG_M])
+        v = tl.reshape(tl.permute(tl.join(tl.where(m_sw, v_r, v_l), tl.where(m_sw, v_l, v_r)), [0, 1, 3, 2]), [R, 1 << LOG_M])
+    return k, v
+
+
+@triton.jit
+def _merge_desc_kv(k, v, BT: tl.constexpr, NB: tl.constexpr, LOG_BT: tl.constexpr, LOG_NB: tl.constexpr):
+    # bitonic rows k [BT, NB] (distinct keys) -> sorted descending, v permuted alike
+    hk = tl.reshape(k, [2] * (LOG_BT + LOG_NB))
+    hv = tl.reshape(v, [2] * (LOG_BT + LOG_NB))
+    for i in tl.static_range(LOG_NB):
+        hk, hv = _swap_kv(hk, hv, 1, LOG_NB - 1 - i, LOG_BT + LOG_NB)
+    return tl.reshape(hk, [BT, NB]), tl.reshape(hv, [BT, NB])
+
+
+@triton.jit
 def _shift2(x, c, BT: tl.constexpr):
     # y [BT, 2]: y[:, 0] = c, y[:, 1] = x[:, 0]
     e, o = tl.split(tl.reshape(x, [BT, 1, 2]))
@@ -120,7 +154,8 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
                   HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   STRIDE: tl.constexpr, SLC: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr, GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
-                  MASK: tl.constexpr, KEY32: tl.constexpr, PERM: tl.constexpr):
+                  MASK: tl.constexpr, KEY32: tl.constexpr, PERM: tl.constexpr, KV: tl.constexpr,
+                  LOG_BT: tl.constexpr):
     # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller)
     o_cc = tl.arange(0, BC)
     if PERM:  # column c = 32 j1 + 16 j0 + 8 r1 + 4 j3 + 2 j2 + r0 holds offset r of block j (NB = 16, R = 4)
@@ -181,13 +216,24 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
         b_key = tl.where((o_j[None, :] <= own[:, None]) & m_t[:, None], b_key, -1)
     # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
     # sequence holding the top NB of both (the first step of a bitonic merge); sort it.
-    if TL_SORT:  # Triton's network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
+    if KV:
+        # blocks carried through the merge beside their keys: the chunk's from its sorted keys'
+        # priorities, the list's from b_blk (no gather)
+        b_key = tl.sort(b_key) if TL_SORT else _bitonic_sort(b_key, BT, LOG_NB, 0)
+        b_list = b_top > b_key
+        b_blk = tl.where(b_list, b_blk, j0 + NB - 1 - (b_key & (2 * NB - 1)))
+        if TL_SORT:
+            b_top, b_blk = _merge_desc_kv(tl.where(b_list, b_top, b_key), b_blk, BT, NB, LOG_BT, LOG_NB)
+        else:
+            b_top, b_blk = _merge_desc_kv_split(tl.where(b_list, b_top, b_key), b_blk, BT, LOG_NB)
+        b_blk = tl.where(b_top >= 0, b_blk, -1)
+    elif TL_SORT:  # Triton's network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
         b_key = tl.sort(b_key)
         b_top = tl.bitonic_merge(tl.maximum(b_top, b_key), descending=True)
     else:
         b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
         b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
-    if KEY32:
+    if KEY32 and not KV:
         b_pr = b_top & (2 * NB - 1)
         b_from_list = b_pr >= NB
         b_old = tl.gather(b_blk, tl.where(b_from_list, 2 * NB - 1 - b_pr, 0), 1)
@@ -202,7 +248,7 @@ def select_blocks_kernel(
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, INTERIOR: tl.constexpr,
-    KEY32: tl.constexpr, PERM: tl.constexpr,
+    KEY32: tl.constexpr, PERM: tl.constexpr, KV: tl.constexpr, LOG_BT: tl.constexpr,
 ):
     # the table from its end: the tiles whose tokens see the most blocks start first
     i_p, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -261,19 +307,19 @@ def select_blocks_kernel(
             b_top, b_blk, b_carry = _select_chunk(
                 b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, True, KEY32, PERM)
+                STACK, TL_SORT, True, KEY32, PERM, KV, LOG_BT)
         for c in range(1, c_in):
             b_top, b_blk, b_carry = _select_chunk(
                 b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, False, KEY32, PERM)
+                STACK, TL_SORT, False, KEY32, PERM, KV, LOG_BT)
     else:
         c_in = 0
     for c in range(c_in, n_chunks):
         b_top, b_blk, b_carry = _select_chunk(
             b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
             w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-            STACK, TL_SORT, True, KEY32, PERM)
+            STACK, TL_SORT, True, KEY32, PERM, KV, LOG_BT)
 
     # the first TOPK keys are the top n; write their blocks ascending, -1 padded
     m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
@@ -345,7 +391,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
         NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, INTERIOR=interior, KEY32=key32,
-        PERM=perm, **opts)
+        PERM=perm, KV=cfg.get("kv", True) and key32, LOG_BT=BT.bit_length() - 1, **opts)
     return out
 
 

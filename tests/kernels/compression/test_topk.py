@@ -146,8 +146,9 @@ def test_select_blocks_across_chunks(l, d, lp, device):
 @pytest.mark.parametrize("key32", [True, False], ids=["int32-keys", "int64-keys"])
 def test_select_blocks_permuted_columns_agree(key32, device, monkeypatch):
     """The NSA defaults (l = 32, d = 16, l' = 64, n = 16) run the score tile with permuted columns
-    (PERM; the fold then undoes the permutation and shifts the spill by splits and joins): each
-    matches the reference up to near-ties (both key widths), and with the columns in plain order
+    (PERM; the fold then undoes the permutation and shifts the spill by splits and joins) and, with
+    int32 keys, carry the blocks through the merge (KV): each matches the reference up to
+    near-ties (both key widths), and with the columns in plain order and the blocks gathered back
     it picks the same blocks (int32 keys), over a sequence of three chunks of 16 blocks (the middle
     one interior for the last tiles) beside a short one, at G = 5 (on the GPU with the shipped
     64-token tiles, whose wgmma layout the permutation is written for)."""
@@ -155,7 +156,7 @@ def test_select_blocks_permuted_columns_agree(key32, device, monkeypatch):
     BT = 64 if device == "cuda" else 16
     picked = []
     for perm in ((True, False) if key32 else (True,)):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=BT, key32=key32, perm=perm))
+        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=BT, key32=key32, perm=perm, kv=perm))
         torch.manual_seed(0)
         picked.append(_check([0, 37, 2230], 10, 2, 16, 16, 64, device))
     if not key32:

@@ -22,8 +22,9 @@ blocks, up to the tile's last own block, and for each chunk:
    floats) with the low ``LOG_NB + 1`` bits replaced by a priority, ``NB - 1 - j`` for the
    chunk's j-th block and ``2 NB - 1 - i`` for the list's i-th entry (the list is sorted best
    first and its blocks all precede the chunk's), so that equal keys never occur and, at equal
-   scores, the lower block wins. The blocks are found again from the priorities after the merge
-   (a gather from the list's block row). Scores are compared on their top 18 of 23 mantissa bits
+   scores, the lower block wins. The blocks ride through the merge beside their keys (``KV``, the
+   default; below); without it they are found again from the priorities after the merge (a
+   gather from the list's block row). Scores are compared on their top 18 of 23 mantissa bits
    (17 for n > 16): two blocks whose scores differ by less than 2^-18 of the score count as tied,
    and the lower one wins. As a token's block scores sum to at most G <= 16, two tied blocks score
    at most 8 each, so they differ by less than 3.1e-5 (6.1e-5 for n > 16), inside the 1e-4 at
@@ -37,7 +38,26 @@ blocks, up to the tile's last own block, and for each chunk:
    (sort the chunk ascending, take the elementwise max with the descending list, bitonic-merge),
    keeping the top NB. Two networks do this: ours (``_bitonic_sort``, ``_bitonic_merge_desc``)
    and Triton's (``tl.sort``, ``tl.bitonic_merge``), which is faster on the GPU; both sort the
-   same keys exactly, so they agree bit for bit.
+   same keys exactly, so they agree bit for bit. With ``KV`` the merge after the chunk's sort is
+   ours in both cases, moving each key's block with it: on the GPU by the xor-reduction
+   compare-and-swap of Triton's network (``_merge_desc_kv``), under the interpreter by splits and
+   joins (``_merge_desc_kv_split``, 4x faster there).
+
+Where it spends its time: Triton lays the [BT, NB] rows out by the layouts of the ops that use
+them, and a row spread over 16 lanes made every stage of the sort a shuffle. At the NSA defaults
+(n = 16, l'/d = 4) the score tile's columns are permuted (``PERM``): column
+``c = 32 j1 + 16 j0 + 8 r1 + 4 j3 + 2 j2 + r0`` holds offset ``r = 2 r1 + r0`` of block
+``j = 8 j3 + 4 j2 + 2 j1 + j0``, so that in the wgmma accumulator layout (column bits 0 and 3-5 in
+registers, 1-2 in lanes) the fold sums the offsets inside a thread and leaves a row's blocks on
+two register and two lane bits. The spill shift is then done by splits and joins
+(``_shift_right``; a gather moved the rows to another layout), and the sort, the merge and
+``KV`` keep that layout. Under Triton 3.6 this took the kernel from 5448 SASS instructions, 562
+shuffles, 153 shared-memory accesses and 100 spill instructions to 3944, 208, 77 and none
+(G = 4, benchmarks/results/kernel_resources_sm90.md), and top-k from 5.08 to 3.98 ms at 64K and
+from 77.6 to 62.1 ms at 256K for G = 4, and from 5.81 to 4.70 ms for G = 5 (same blocks on every
+row; benchmarks/results/tune_h200_topk_perm2.md). Holding a whole row in one thread's registers
+(the other permutation, with its lane bits replicated) lost: more instructions
+(tune_h200_topk_perm.md).
 
 Only a tile's first chunk and its last one or two need step 1's visibility mask and step 3's
 forced and causal blocks: the chunks between, whose compressed rows every token of the tile sees
@@ -395,9 +415,11 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     return out
 
 
-# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior", "key32") that replace
-# _launch's; tests and scripts/tune_nsa.py set them. "interior" False runs every chunk with the
-# masks; "key32" False the exact int64 keys (module docstring, step 3).
+# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior", "key32", "perm", "kv")
+# that replace _launch's; tests and scripts/tune_nsa.py set them. "interior" False runs every chunk
+# with the masks; "key32" False the exact int64 keys (module docstring, step 3); "perm" False the
+# score columns in plain order; "kv" False the gather of the blocks after the merge (int32 keys
+# only). "perm" and "kv" default to True (PERM applies at n <= 16 with l'/d = 4 only).
 LAUNCH_OVERRIDE: dict = {}
 
 
@@ -417,5 +439,7 @@ def _launch(device) -> dict:
     # 108.5 against 123.3 at 256K for G=4, 7.93 against 8.64 for G=5 (tune_h200_topk_maxnreg.md).
     # With int32 keys a 168-register cap (still 3 programs per SM) beats 160 by about 1%: 5.05
     # against 5.10 ms at 64K and 77.6 against 78.2 at 256K for G=4, 5.77 against 5.83 for G=5
-    # (tune_h200_topk_key32.md)
+    # (tune_h200_topk_key32.md); with PERM and KV (module docstring) 168 beats 160 by 1-2%: 3.98
+    # against 4.02 ms at 64K, 62.1 against 63.2 at 256K, 4.70 against 4.77 for G=5
+    # (tune_h200_topk_perm2.md)
     return dict(BT=64, stack=False, tl_sort=True, key32=True, opts=dict(num_warps=4, num_stages=2, maxnreg=168))

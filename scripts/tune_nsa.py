@@ -63,7 +63,9 @@ TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and regis
                    # tune_h200_topk_key32_launch.md, the permuted score columns in tune_h200_topk_perm2.md
                    topk_cfg(64, 4, 2, 168, key32=True, kv=False), topk_cfg(64, 4, 2, 168, key32=True, perm=False, kv=False),
                    topk_cfg(64, 4, 2, 168, key32=False), topk_cfg(64, 4, 2, 160, key32=True),
-                   topk_cfg(64, 4, 3, 168, key32=True), topk_cfg(64, 4, 2, 168, key32=True, interior=False)]
+                   topk_cfg(64, 4, 3, 168, key32=True), topk_cfg(64, 4, 2, 168, key32=True, interior=False),
+                   topk_cfg(64, 4, 2, 200, key32=True), topk_cfg(64, 8, 2, 128, key32=True),
+                   topk_cfg(128, 8, 2, 168, key32=True)]
 
 
 def rnd(gen, *shape):  # random bf16, never zero

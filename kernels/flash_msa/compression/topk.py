@@ -30,8 +30,8 @@ blocks, up to the tile's last own block, and for each chunk:
    at most 8 each, so they differ by less than 3.1e-5 (6.1e-5 for n > 16), inside the 1e-4 at
    which the tests accept a near-tie. The exact form, one int64 key
    ``bits(score) << 32 | (2^31 - 1 - block)``, stays (``key32`` False in LAUNCH_OVERRIDE): with
-   the int32 keys the kernel has 36% fewer shuffles and 13% fewer instructions under Triton 3.6
-   (benchmarks/results/kernel_resources_sm90.md), and it went from 5.34 to
+   the int32 keys the kernel had 36% fewer shuffles and 13% fewer instructions under Triton 3.6
+   (before PERM below; benchmarks/results/kernel_resources_sm90.md), and it went from 5.34 to
    5.05 ms at 64K and from 81.4 to 77.6 ms at 256K for G = 4, and from 6.01 to 5.77 ms for G = 5
    (benchmarks/results/tune_h200_topk_key32.md), picking the same blocks on 99.96% of the rows
    (the others: near-ties). The running list and the chunk are merged with a bitonic network
@@ -39,9 +39,10 @@ blocks, up to the tile's last own block, and for each chunk:
    keeping the top NB. Two networks do this: ours (``_bitonic_sort``, ``_bitonic_merge_desc``)
    and Triton's (``tl.sort``, ``tl.bitonic_merge``), which is faster on the GPU; both sort the
    same keys exactly, so they agree bit for bit. With ``KV`` the merge after the chunk's sort is
-   ours in both cases, moving each key's block with it: on the GPU by the xor-reduction
-   compare-and-swap of Triton's network (``_merge_desc_kv``), under the interpreter by splits and
-   joins (``_merge_desc_kv_split``, 4x faster there).
+   ours in both cases, moving each key's block with it: beside Triton's network (the GPU's) by the
+   xor-reduction compare-and-swap that network uses (``_merge_desc_kv``), beside ours (the
+   interpreter's) by splits and joins (``_merge_desc_kv_split``: the top-k tests took 345 s with
+   it under the interpreter, 672 s with the xor form).
 
 Where it spends its time: Triton lays the [BT, NB] rows out by the layouts of the ops that use
 them, and a row spread over 16 lanes made every stage of the sort a shuffle. At the NSA defaults
@@ -54,8 +55,9 @@ two register and two lane bits. The spill shift is then done by splits and joins
 ``KV`` keep that layout. Under Triton 3.6 this took the kernel from 5448 SASS instructions, 562
 shuffles, 153 shared-memory accesses and 100 spill instructions to 3944, 208, 77 and none
 (G = 4, benchmarks/results/kernel_resources_sm90.md), and top-k from 5.08 to 3.98 ms at 64K and
-from 77.6 to 62.1 ms at 256K for G = 4, and from 5.81 to 4.70 ms for G = 5 (same blocks on every
-row; benchmarks/results/tune_h200_topk_perm2.md). Holding a whole row in one thread's registers
+from 77.6 to 62.1 ms at 256K for G = 4, and from 5.81 to 4.70 ms for G = 5, the same blocks on all
+but 0.0004% (64K) and 0.0016% (256K) of the rows, near-ties of the fold's summation order
+(benchmarks/results/tune_h200_topk_perm2.md). Holding a whole row in one thread's registers
 (the other permutation, with its lane bits replicated) lost: more instructions
 (tune_h200_topk_perm.md).
 

@@ -238,11 +238,12 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
     if MASK:  # blocks after the own block, and tokens past the sequence
         b_key = tl.where((o_j[None, :] <= own[:, None]) & m_t[:, None], b_key, -1)
     # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
-    # sequence holding the top NB of both (the first step of a bitonic merge); sort it.
+    # sequence holding the top NB of both (the first step of a bitonic merge); sort it. Triton's
+    # network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
+    b_key = tl.sort(b_key) if TL_SORT else _bitonic_sort(b_key, BT, LOG_NB, 0)
     if KV:
         # blocks carried through the merge beside their keys: the chunk's from its sorted keys'
         # priorities, the list's from b_blk (no gather)
-        b_key = tl.sort(b_key) if TL_SORT else _bitonic_sort(b_key, BT, LOG_NB, 0)
         b_list = b_top > b_key
         b_blk = tl.where(b_list, b_blk, j0 + NB - 1 - (b_key & (2 * NB - 1)))
         if TL_SORT:
@@ -250,11 +251,9 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
         else:
             b_top, b_blk = _merge_desc_kv_split(tl.where(b_list, b_top, b_key), b_blk, BT, LOG_NB)
         b_blk = tl.where(b_top >= 0, b_blk, -1)
-    elif TL_SORT:  # Triton's network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
-        b_key = tl.sort(b_key)
+    elif TL_SORT:
         b_top = tl.bitonic_merge(tl.maximum(b_top, b_key), descending=True)
     else:
-        b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
         b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
     if KEY32 and not KV:
         b_pr = b_top & (2 * NB - 1)
@@ -406,7 +405,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     tl_sort = cfg.get("tl_sort", False)
     interior = cfg.get("interior", True)
     key32 = cfg.get("key32", True)
-    perm = cfg.get("perm", True) and NB == 16 and r == 4  # the layout PERM is written for
+    perm, kv = layout_flags(cfg, NB, r)
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
@@ -414,7 +413,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
         NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, INTERIOR=interior, KEY32=key32,
-        PERM=perm, KV=cfg.get("kv", True) and key32, LOG_BT=BT.bit_length() - 1, **opts)
+        PERM=perm, KV=kv, LOG_BT=BT.bit_length() - 1, **opts)
     return out
 
 
@@ -424,6 +423,12 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
 # score columns in plain order; "kv" False the gather of the blocks after the merge (int32 keys
 # only). "perm" and "kv" default to True (PERM applies at n <= 16 with l'/d = 4 only).
 LAUNCH_OVERRIDE: dict = {}
+
+
+def layout_flags(cfg: dict, NB: int, r: int) -> tuple[bool, bool]:
+    """(PERM, KV) of launch settings ``cfg`` for a list of NB and l'/d = r: both default to True;
+    PERM is written for NB = 16, r = 4 and KV for int32 keys (module docstring)."""
+    return (cfg.get("perm", True) and NB == 16 and r == 4), (cfg.get("kv", True) and cfg.get("key32", True))
 
 
 def _launch(device) -> dict:

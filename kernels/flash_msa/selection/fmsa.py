@@ -74,31 +74,15 @@ def _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK: tl.constexpr, G: tl.constexp
     if HKG == HK:
         o_p = (b_e - c0 * (HK * S)) * G + b_g
     else:
-        o_p = (((b_t - c0) * HKG + (i_hk - hk0)) * S + (b_e.to(tl.uint32) % S).to(tl.int32)) * G + b_g
+        o_p = (((b_t - c0) * HKG + (i_hk - hk0)) * S + b_e % S) * G + b_g
     return o_p
-
-
-@triton.jit
-def _causal_rows(entry_ids, block_start, i_b, i_e0, n_rows, r_begin, r_end, HK: tl.constexpr, G: tl.constexpr,
-                 S: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr):
-    # End of the row tiles of [r_begin, r_end) that need the causal mask. A key's entries are in
-    # token order, so its queries that precede the block's last key (at most BS - 1 tokens, all
-    # in the block itself) come first, and tiles from the first one past their rows see every
-    # key. Those queries include a sequence's short last block's (its missing keys are masked).
-    o_e = tl.arange(0, BS)
-    m_e = o_e * G < n_rows
-    b_t = (tl.load(entry_ids + i_e0 + o_e, mask=m_e, other=0).to(tl.uint32) // (HK * S)).to(tl.int32)
-    k_last = tl.load(block_start + i_b) + BS - 1
-    n_early = tl.sum((m_e & (b_t < k_last)).to(tl.int32), 0) * G  # their rows
-    return tl.minimum(r_end, r_begin + tl.cdiv(tl.maximum(n_early - r_begin, 0), BM) * BM)
 
 
 @triton.jit
 def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2,
               HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-              HKG: tl.constexpr, CAUSAL: tl.constexpr):
-    # rows o_r [BM] of one key against its block's K/V [BS, D]: partial output and lse. CAUSAL:
-    # some query of the rows may precede a key of the block (_causal_rows), so keys are masked
+              HKG: tl.constexpr):
+    # rows o_r [BM] of one key against its block's K/V [BS, D]: partial output and lse
     o_d = tl.arange(0, D)
     m_r = o_r < n_rows
     # index arithmetic in int32 (entry ids < 2^31: build_selection_csr; partial rows < 2^31:
@@ -106,24 +90,18 @@ def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0
     # addresses; with the reciprocal below this took the kernel (before key groups) from 156 to
     # 142 registers at G=4 and from 200 to 142 at G=5 (3 programs per SM instead of 2),
     # benchmarks/results/kernel_resources_sm90.md
-    o_ru = o_r.to(tl.uint32)
-    b_e = tl.load(entry_ids + i_e0 + (o_ru // G).to(tl.int32), mask=m_r, other=0)  # [BM] entry ids
-    b_t = (b_e.to(tl.uint32) // (HK * S)).to(tl.int32)  # [BM] query tokens
-    b_g = (o_ru % G).to(tl.int32)
+    b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids
+    b_t = b_e // (HK * S)  # [BM] query tokens
+    b_g = o_r % G
     o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q
     b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
     b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
-    if CAUSAL:
-        # keys after the query are masked; a valid entry always keeps the block's first key
-        m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
-        b_p = tl.exp2(b_s - b_m[:, None])
-        b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
-    else:  # every key precedes every query; rows past n_rows (q = 0) are finite and not stored
-        b_m = tl.max(b_s, 1)
-        b_p = tl.exp2(b_s - b_m[:, None])
-        b_l = tl.sum(b_p, 1)
+    # keys after the query are masked; a valid entry always keeps the block's first key
+    m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
+    b_s = tl.where(m_s, b_s, float("-inf"))
+    b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
+    b_p = tl.exp2(b_s - b_m[:, None])
+    b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
     b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]  # [BM, D] normalised partial output
     o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)  # [BM]
     tl.store(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
@@ -152,14 +130,10 @@ def fmsa_fwd_kernel(
     o_k, m_k, p_kv = _block_keys(block_start, block_end, i_key % NB, i_hk, HK, D, BS)
     b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
     b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
-    r_stop = tl.minimum(n_rows, r0 + NT * BM)
-    r_mid = _causal_rows(entry_ids, block_start, i_key % NB, i_e0, n_rows, r0, r_stop, HK, G, S, BS, BM)
-    for i_r in range(r0, r_mid, BM):
-        _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, i_r + tl.arange(0, BM), n_rows, i_e0,
-                  i_hk, c0, hk0, scale2, HQ, HK, G, S, D, HKG, True)
-    for i_r in range(r_mid, r_stop, BM):
-        _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, i_r + tl.arange(0, BM), n_rows, i_e0,
-                  i_hk, c0, hk0, scale2, HQ, HK, G, S, D, HKG, False)
+    for i_j in range(NT):
+        if r0 + i_j * BM < n_rows:
+            _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
+                      i_hk, c0, hk0, scale2, HQ, HK, G, S, D, HKG)
 
 
 @triton.jit
@@ -214,42 +188,6 @@ def fmsa_bwd_preprocess_kernel(o, do, delta, N, D: tl.constexpr, BR: tl.constexp
 
 
 @triton.jit
-def _bwd_rows(q, do, lse, delta, dqp, entry_ids, b_k, b_v, b_dk, b_dv, o_k, i_r, r_end, i_e0, i_hk, c0, hk0,
-              scale2, scale, HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
-              D: tl.constexpr, BM: tl.constexpr, WRITE_DQ: tl.constexpr, HKG: tl.constexpr, CAUSAL: tl.constexpr):
-    # rows [i_r, i_r + BM) (< r_end) of one key against its block's K/V: dk/dv (unscaled)
-    # accumulated, the rows' dq parts written; CAUSAL as in _fwd_rows
-    o_d = tl.arange(0, D)
-    o_r = i_r + tl.arange(0, BM)
-    m_r = o_r < r_end
-    o_ru = o_r.to(tl.uint32)
-    b_e = tl.load(entry_ids + i_e0 + (o_ru // G).to(tl.int32), mask=m_r, other=0)  # int32, as in the forward
-    b_t = (b_e.to(tl.uint32) // (HK * S)).to(tl.int32)
-    b_g = (o_ru % G).to(tl.int32)
-    o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q, do, lse, delta
-    b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)  # [BM, D]
-    b_do = tl.load(do + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-    b_lse = tl.load(lse + o_h, mask=m_r, other=0.)
-    b_delta = tl.load(delta + o_h, mask=m_r, other=0.)
-    b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
-    if CAUSAL:
-        m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
-        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
-    else:  # every key precedes every query of the tile; rows past r_end (q = do = 0) add nothing
-        b_p = tl.exp2(b_s - b_lse[:, None])
-    b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
-    b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BS]
-    b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
-    b_dk += tl.dot(tl.trans(b_ds), b_q)
-    if WRITE_DQ:
-        b_dq = tl.dot(b_ds, b_k) * scale  # [BM, D]
-        o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)
-        tl.store(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty),
-                 mask=m_r[:, None])
-    return b_dk, b_dv
-
-
-@triton.jit
 def fmsa_bwd_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, dkp, dvp, dqp, entry_ids, key_offsets,
     seg_key, seg_first, slot_first, block_start, block_end,
@@ -278,13 +216,29 @@ def fmsa_bwd_dkdv_kernel(
     _, _, p_acc = _block_keys(block_start, block_end, i_b, i_hk - hk0, HKG, D, BS)  # in dk / dv
     b_dk = tl.zeros([BS, D], dtype=tl.float32)
     b_dv = tl.zeros([BS, D], dtype=tl.float32)
-    r_mid = _causal_rows(entry_ids, block_start, i_b, i_e0, n_rows, r_begin, r_end, HK, G, S, BS, BM)
-    for i_r in range(r_begin, r_mid, BM):
-        b_dk, b_dv = _bwd_rows(q, do, lse, delta, dqp, entry_ids, b_k, b_v, b_dk, b_dv, o_k, i_r, r_end, i_e0,
-                               i_hk, c0, hk0, scale2, scale, HQ, HK, G, S, D, BM, WRITE_DQ, HKG, True)
-    for i_r in range(r_mid, r_end, BM):
-        b_dk, b_dv = _bwd_rows(q, do, lse, delta, dqp, entry_ids, b_k, b_v, b_dk, b_dv, o_k, i_r, r_end, i_e0,
-                               i_hk, c0, hk0, scale2, scale, HQ, HK, G, S, D, BM, WRITE_DQ, HKG, False)
+    for i_r in range(r_begin, r_end, BM):
+        o_r = i_r + tl.arange(0, BM)
+        m_r = o_r < r_end
+        b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # int32, as in the forward
+        b_t = b_e // (HK * S)
+        b_g = o_r % G
+        o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q, do, lse, delta
+        b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)  # [BM, D]
+        b_do = tl.load(do + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
+        b_lse = tl.load(lse + o_h, mask=m_r, other=0.)
+        b_delta = tl.load(delta + o_h, mask=m_r, other=0.)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
+        m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
+        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BS]
+        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
+        b_dk += tl.dot(tl.trans(b_ds), b_q)
+        if WRITE_DQ:
+            b_dq = tl.dot(b_ds, b_k) * scale  # [BM, D]
+            o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)
+            tl.store(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty),
+                     mask=m_r[:, None])
     b_dk = b_dk * scale
     if n_rows <= SEG:
         # the only program of this key in this partition: add to the fp32 accumulators in chunk order

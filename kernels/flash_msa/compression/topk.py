@@ -151,6 +151,105 @@ def _merge_desc_kv(k, v, BT: tl.constexpr, NB: tl.constexpr, LOG_BT: tl.constexp
 
 
 @triton.jit
+def _swap_k(k, flip, i: tl.constexpr, n_dims: tl.constexpr):
+    # compare-and-swap of int32 keys k, [2] * n_dims, along the i-th innermost dimension, by an
+    # xor reduction over the pair (Triton's own network's form: a shuffle when it is a lane bit)
+    k_y = k ^ tl.xor_sum(k, n_dims - 1 - i, True)
+    right = tl.reshape(tl.arange(0, 2), [1] * (n_dims - i - 1) + [2] + [1] * i)
+    # the larger of the pair where this element's place takes it (a min/max with a predicate)
+    return tl.where((flip ^ right) != 0, tl.maximum(k, k_y), tl.minimum(k, k_y))
+
+
+@triton.jit
+def _swap_kv_mm(k, v, flip, i: tl.constexpr, n_dims: tl.constexpr):
+    # _swap_kv in _swap_k's form: the key by min/max, the value follows (keys are distinct but
+    # for -1s, whose values are dropped)
+    k_y = k ^ tl.xor_sum(k, n_dims - 1 - i, True)
+    v_y = v ^ tl.xor_sum(v, n_dims - 1 - i, True)
+    right = tl.reshape(tl.arange(0, 2), [1] * (n_dims - i - 1) + [2] + [1] * i)
+    k_n = tl.where((flip ^ right) != 0, tl.maximum(k, k_y), tl.minimum(k, k_y))
+    return k_n, tl.where(k_n == k, v, v_y)
+
+
+@triton.jit
+def _sort_hybrid(x, BT: tl.constexpr, LOG_NB: tl.constexpr, LOG_BT: tl.constexpr, REG: tl.constexpr):
+    # ascending bitonic sort of the rows of x [BT, 2**LOG_NB] (distinct int32 keys). Stages along
+    # the row's REG lowest index bits (in registers: PERM's layout) take min/max by splits and
+    # joins, within a thread; the others the xor exchange (a shuffle). (Loop-derived values are
+    # written out inline: Triton takes them as constexprs only so.)
+    for i in tl.static_range(1, LOG_NB + 1):  # merge phase: bitonic runs of 2**i
+        for jj in tl.static_range(0, i):  # distance 2**(i - 1 - jj)
+            if i - 1 - jj < REG:
+                # flip[a] = direction bit i of group a's indices (bit jj of a); 0 in the last phase
+                x = _compare_swap(x, (tl.arange(0, (1 << LOG_NB) >> (i - jj)) >> jj) & 1, BT,
+                                  (1 << LOG_NB) >> (i - jj), 1 << (i - 1 - jj))
+            else:
+                h = tl.reshape(x, [2] * (LOG_BT + LOG_NB))
+                if i < LOG_NB:
+                    flip = tl.reshape(tl.arange(0, 2), [1] * (LOG_BT + LOG_NB - i - 1) + [2] + [1] * i)
+                    h = _swap_k(h, flip, i - 1 - jj, LOG_BT + LOG_NB)
+                else:
+                    h = _swap_k(h, 0, i - 1 - jj, LOG_BT + LOG_NB)
+                x = tl.reshape(h, [BT, 1 << LOG_NB])
+    return x
+
+
+@triton.jit
+def _merge_desc_kv_hybrid(k, v, BT: tl.constexpr, LOG_NB: tl.constexpr, LOG_BT: tl.constexpr, REG: tl.constexpr):
+    # _merge_desc_kv with the stages along the REG lowest (register) index bits by splits and
+    # joins: one compare, max/min of the keys, two selects of the blocks per pair
+    for jj in tl.static_range(0, LOG_NB):  # distance 2**(LOG_NB - 1 - jj)
+        if LOG_NB - 1 - jj < REG:
+            k_l, k_r = tl.split(tl.permute(tl.reshape(k, [BT, 1 << jj, 2, 1 << (LOG_NB - 1 - jj)]), [0, 1, 3, 2]))
+            v_l, v_r = tl.split(tl.permute(tl.reshape(v, [BT, 1 << jj, 2, 1 << (LOG_NB - 1 - jj)]), [0, 1, 3, 2]))
+            m_sw = k_l < k_r
+            k = tl.reshape(tl.permute(tl.join(tl.maximum(k_l, k_r), tl.minimum(k_l, k_r)), [0, 1, 3, 2]),
+                           [BT, 1 << LOG_NB])
+            v = tl.reshape(tl.permute(tl.join(tl.where(m_sw, v_r, v_l), tl.where(m_sw, v_l, v_r)), [0, 1, 3, 2]),
+                           [BT, 1 << LOG_NB])
+        else:
+            hk = tl.reshape(k, [2] * (LOG_BT + LOG_NB))
+            hv = tl.reshape(v, [2] * (LOG_BT + LOG_NB))
+            hk, hv = _swap_kv_mm(hk, hv, 1, LOG_NB - 1 - jj, LOG_BT + LOG_NB)
+            k = tl.reshape(hk, [BT, 1 << LOG_NB])
+            v = tl.reshape(hv, [BT, 1 << LOG_NB])
+    return k, v
+
+
+@triton.jit
+def _term(acc, p, NUM: tl.constexpr, DEN: tl.constexpr):
+    # acc + p * NUM / DEN for constant NUM / DEN in [0, 1], without a multiply by 0 or 1
+    r = acc
+    if NUM == DEN:
+        r = acc + p
+    elif NUM > 0:
+        r = acc + p * (NUM / DEN)
+    return r
+
+
+@triton.jit
+def _fold_r4(b_p3, BT: tl.constexpr, NB: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # The caller's fold for R = l'/d = 4 (PERM): offset r of block j gives it min(l, (4 - r) d) / l
+    # of its keys and spills the rest into block j + 1. The offsets are register bits, so they
+    # split apart in a thread, and the weights are constants: the generic form multiplied by the
+    # zero and unit weights too (an IEEE multiply by 0 does not fold).
+    e, o = tl.split(tl.reshape(b_p3, [BT, NB, 2, 2]))  # offset r = 2 r1 + r0: r0 = 0 in e, 1 in o
+    p0, p2 = tl.split(e)
+    p1, p3 = tl.split(o)
+    b_in = p0  # min(l, 4d) = l, as l <= l'
+    b_in = _term(b_in, p1, min(BLOCK, 3 * STRIDE), BLOCK)
+    b_in = _term(b_in, p2, min(BLOCK, 2 * STRIDE), BLOCK)
+    b_in = _term(b_in, p3, min(BLOCK, STRIDE), BLOCK)
+    if BLOCK > STRIDE:  # offset 3 spills l - d keys, offset 0 none (l <= 4d)
+        b_out = p3 * ((BLOCK - STRIDE) / BLOCK)
+        b_out = _term(b_out, p2, max(BLOCK - 2 * STRIDE, 0), BLOCK)
+        b_out = _term(b_out, p1, max(BLOCK - 3 * STRIDE, 0), BLOCK)
+    else:
+        b_out = tl.zeros_like(p0)
+    return b_in, b_out
+
+
+@triton.jit
 def _shift2(x, c, BT: tl.constexpr):
     # y [BT, 2]: y[:, 0] = c, y[:, 1] = x[:, 0]
     e, o = tl.split(tl.reshape(x, [BT, 1, 2]))
@@ -178,7 +277,7 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
                   STRIDE: tl.constexpr, SLC: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
                   BT: tl.constexpr, BC: tl.constexpr, GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
                   MASK: tl.constexpr, KEY32: tl.constexpr, PERM: tl.constexpr, KV: tl.constexpr,
-                  LOG_BT: tl.constexpr):
+                  LOG_BT: tl.constexpr, HYBRID: tl.constexpr, BLOCK: tl.constexpr, FOLD4: tl.constexpr):
     # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller)
     o_cc = tl.arange(0, BC)
     if PERM:  # column c = 32 j1 + 16 j0 + 8 r1 + 4 j3 + 2 j2 + r0 holds offset r of block j (NB = 16, R = 4)
@@ -214,8 +313,11 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
         b_p3 = tl.reshape(tl.permute(tl.reshape(b_p, [BT, 2, 2, 2, 2, 2, 2]), [0, 4, 5, 1, 2, 3, 6]), [BT, NB, 4])
     else:
         b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
-    b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
-    b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
+    if FOLD4:  # R = 4 with PERM: the offsets split apart in registers, constant weights
+        b_in, b_out = _fold_r4(b_p3, BT, NB, STRIDE, BLOCK)
+    else:
+        b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
+        b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
     # block j receives block j - 1's spill (the chunk's first block the carry)
     if PERM:
         b_sc = b_in + _shift_right(b_out, b_carry, BT, NB, LOG_NB)
@@ -240,13 +342,20 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
     # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
     # sequence holding the top NB of both (the first step of a bitonic merge); sort it. Triton's
     # network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
-    b_key = tl.sort(b_key) if TL_SORT else _bitonic_sort(b_key, BT, LOG_NB, 0)
+    if HYBRID:
+        b_key = _sort_hybrid(b_key, BT, LOG_NB, LOG_BT, 2)
+    elif TL_SORT:
+        b_key = tl.sort(b_key)
+    else:
+        b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
     if KV:
         # blocks carried through the merge beside their keys: the chunk's from its sorted keys'
         # priorities, the list's from b_blk (no gather)
         b_list = b_top > b_key
         b_blk = tl.where(b_list, b_blk, j0 + NB - 1 - (b_key & (2 * NB - 1)))
-        if TL_SORT:
+        if HYBRID:
+            b_top, b_blk = _merge_desc_kv_hybrid(tl.where(b_list, b_top, b_key), b_blk, BT, LOG_NB, LOG_BT, 2)
+        elif TL_SORT:
             b_top, b_blk = _merge_desc_kv(tl.where(b_list, b_top, b_key), b_blk, BT, NB, LOG_BT, LOG_NB)
         else:
             b_top, b_blk = _merge_desc_kv_split(tl.where(b_list, b_top, b_key), b_blk, BT, LOG_NB)
@@ -270,7 +379,8 @@ def select_blocks_kernel(
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, INTERIOR: tl.constexpr,
-    KEY32: tl.constexpr, PERM: tl.constexpr, KV: tl.constexpr, LOG_BT: tl.constexpr,
+    KEY32: tl.constexpr, PERM: tl.constexpr, KV: tl.constexpr, LOG_BT: tl.constexpr, HYBRID: tl.constexpr,
+    FOLD4: tl.constexpr,
 ):
     # the table from its end: the tiles whose tokens see the most blocks start first
     i_p, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -329,19 +439,19 @@ def select_blocks_kernel(
             b_top, b_blk, b_carry = _select_chunk(
                 b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, True, KEY32, PERM, KV, LOG_BT)
+                STACK, TL_SORT, True, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
         for c in range(1, c_in):
             b_top, b_blk, b_carry = _select_chunk(
                 b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, False, KEY32, PERM, KV, LOG_BT)
+                STACK, TL_SORT, False, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
     else:
         c_in = 0
     for c in range(c_in, n_chunks):
         b_top, b_blk, b_carry = _select_chunk(
             b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
             w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-            STACK, TL_SORT, True, KEY32, PERM, KV, LOG_BT)
+            STACK, TL_SORT, True, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
 
     # the first TOPK keys are the top n; write their blocks ascending, -1 padded
     m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
@@ -405,7 +515,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     tl_sort = cfg.get("tl_sort", False)
     interior = cfg.get("interior", True)
     key32 = cfg.get("key32", True)
-    perm, kv = layout_flags(cfg, NB, r)
+    perm, kv, hybrid, fold4 = layout_flags(cfg, NB, r)
     BD = max(16, triton.next_power_of_2(D))
     seq, t0 = per_batch(tile_table, cu_seqlens, T, BT)  # shared by the layers
     out = torch.empty(T, HK, topk, dtype=torch.int32, device=q.device)
@@ -413,7 +523,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
         NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, INTERIOR=interior, KEY32=key32,
-        PERM=perm, KV=kv, LOG_BT=BT.bit_length() - 1, **opts)
+        PERM=perm, KV=kv, LOG_BT=BT.bit_length() - 1, HYBRID=hybrid, FOLD4=fold4, **opts)
     return out
 
 
@@ -425,10 +535,14 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
 LAUNCH_OVERRIDE: dict = {}
 
 
-def layout_flags(cfg: dict, NB: int, r: int) -> tuple[bool, bool]:
-    """(PERM, KV) of launch settings ``cfg`` for a list of NB and l'/d = r: both default to True;
-    PERM is written for NB = 16, r = 4 and KV for int32 keys (module docstring)."""
-    return (cfg.get("perm", True) and NB == 16 and r == 4), (cfg.get("kv", True) and cfg.get("key32", True))
+def layout_flags(cfg: dict, NB: int, r: int) -> tuple[bool, bool, bool, bool]:
+    """(PERM, KV, HYBRID, FOLD4) of launch settings ``cfg`` for a list of NB and l'/d = r: "perm",
+    "kv" and "fold" default to True, "hybrid" to False; PERM is written for NB = 16, r = 4, KV for
+    int32 keys, and the hybrid network and the constant-weight fold for PERM's layout (the hybrid
+    one with KV; module docstring)."""
+    perm = cfg.get("perm", True) and NB == 16 and r == 4
+    kv = cfg.get("kv", True) and cfg.get("key32", True)
+    return perm, kv, perm and kv and cfg.get("hybrid", False), perm and cfg.get("fold", True)
 
 
 def _launch(device) -> dict:
@@ -450,4 +564,6 @@ def _launch(device) -> dict:
     # (tune_h200_topk_key32.md); with PERM and KV (module docstring) 168 beats 160 by 1-2%: 3.98
     # against 4.02 ms at 64K, 62.1 against 63.2 at 256K, 4.70 against 4.77 for G=5
     # (tune_h200_topk_perm2.md)
-    return dict(BT=64, stack=False, tl_sort=True, key32=True, opts=dict(num_warps=4, num_stages=2, maxnreg=168))
+    # The hybrid network and the constant-weight fold (module docstring): to be measured
+    return dict(BT=64, stack=False, tl_sort=True, key32=True, hybrid=True,
+                opts=dict(num_warps=4, num_stages=2, maxnreg=168))

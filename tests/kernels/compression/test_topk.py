@@ -165,6 +165,22 @@ def test_select_blocks_permuted_columns_agree(key32, device, monkeypatch):
     assert same == 1.0 if device == "cpu" else same >= 0.999
 
 
+def test_select_blocks_hybrid_network_agrees(device, monkeypatch):
+    """At the NSA defaults (PERM and KV) the chunk's sort and the merge can take their stages along
+    the row's two lowest index bits (registers in PERM's layout) by min/max within a thread and the
+    others by the xor exchange (``hybrid``, the GPU's default): the same blocks, bit for bit, as
+    Triton's network (GPU) or ours (interpreter), each the reference's up to near-ties; two chunks
+    of 16 blocks and a short sequence, G = 3."""
+    from flash_msa.compression import topk
+    base = {} if device == "cuda" else {"tl_sort": False}
+    picked = []
+    for hybrid in (True, False):
+        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(base, BT=64 if device == "cuda" else 16, hybrid=hybrid))
+        torch.manual_seed(0)
+        picked.append(_check([0, 29, 1290], 3, 1, 16, 16, 64, device))
+    assert torch.equal(picked[0], picked[1])
+
+
 @pytest.mark.parametrize("stack", [False, True], ids=["loop", "stacked"])
 def test_select_blocks_key_widths_agree(stack, device, monkeypatch):
     """int32 keys (score bits truncated to make room for a priority; the default) and the exact

@@ -61,6 +61,17 @@ but 0.0004% (64K) and 0.0016% (256K) of the rows, near-ties of the fold's summat
 (the other permutation, with its lane bits replicated) lost: more instructions
 (tune_h200_topk_perm.md).
 
+At that layout the chunk's sort and the merge also take their stages in two forms (``HYBRID``,
+the GPU's default): along the row's two register bits by splits and joins with min/max inside a
+thread (``_sort_hybrid``, ``_merge_desc_kv_hybrid``), along its lane bits as a min or max of the
+exchanged pair chosen by the element's place (one predicated min/max), where Triton's network
+spends four to five instructions per element on each stage (compare, 0/1 select, compare with the
+direction, select). The fold adds the R = 4 offsets with constant weights (``_fold_r4``): the
+generic form multiplied by the zero and unit weights, which IEEE arithmetic does not fold away.
+Both sort the same keys and add in the same order, so the blocks are the same bit for bit: top-k
+went from 3.97 to 3.79 ms at 64K and from 64.0 to 59.0 ms at 256K for G = 4, 4.70 to 4.49 ms for
+G = 5 (benchmarks/results/tune_h200_topk_hybrid.md).
+
 Only a tile's first chunk and its last one or two need step 1's visibility mask and step 3's
 forced and causal blocks: the chunks between, whose compressed rows every token of the tile sees
 and whose blocks all lie before every token's block but one, run without them (``INTERIOR``), in
@@ -527,11 +538,13 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     return out
 
 
-# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior", "key32", "perm", "kv")
-# that replace _launch's; tests and scripts/tune_nsa.py set them. "interior" False runs every chunk
-# with the masks; "key32" False the exact int64 keys (module docstring, step 3); "perm" False the
-# score columns in plain order; "kv" False the gather of the blocks after the merge (int32 keys
-# only). "perm" and "kv" default to True (PERM applies at n <= 16 with l'/d = 4 only).
+# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior", "key32", "perm", "kv",
+# "hybrid", "fold") that replace _launch's; tests and scripts/tune_nsa.py set them. "interior" False
+# runs every chunk with the masks; "key32" False the exact int64 keys (module docstring, step 3);
+# "perm" False the score columns in plain order; "kv" False the gather of the blocks after the merge
+# (int32 keys only); "hybrid" True the hybrid network (with PERM and KV; _launch sets it on the
+# GPU); "fold" False the generic fold. "perm", "kv" and "fold" default to True (PERM applies at
+# n <= 16 with l'/d = 4 only).
 LAUNCH_OVERRIDE: dict = {}
 
 
@@ -564,6 +577,7 @@ def _launch(device) -> dict:
     # (tune_h200_topk_key32.md); with PERM and KV (module docstring) 168 beats 160 by 1-2%: 3.98
     # against 4.02 ms at 64K, 62.1 against 63.2 at 256K, 4.70 against 4.77 for G=5
     # (tune_h200_topk_perm2.md)
-    # The hybrid network and the constant-weight fold (module docstring): to be measured
+    # The hybrid network and the constant-weight fold (module docstring) took 3.97 -> 3.79 ms at 64K
+    # and 64.0 -> 59.0 at 256K for G=4, 4.70 -> 4.49 for G=5, the same blocks (tune_h200_topk_hybrid.md)
     return dict(BT=64, stack=False, tl_sort=True, key32=True, hybrid=True,
                 opts=dict(num_warps=4, num_stages=2, maxnreg=168))

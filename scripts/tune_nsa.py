@@ -64,7 +64,8 @@ TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and regis
                    topk_cfg(64, 4, 2, 168, key32=True, hybrid=False),
                    topk_cfg(64, 4, 2, 168, key32=True, hybrid=False, fold=False),
                    topk_cfg(64, 4, 2, 168, key32=True, hybrid=True, fold=False),
-                   topk_cfg(64, 4, 2, 160, key32=True, hybrid=True), topk_cfg(64, 4, 2, 176, key32=True, hybrid=True)]
+                   topk_cfg(64, 4, 2, 160, key32=True, hybrid=True), topk_cfg(64, 4, 2, 176, key32=True, hybrid=True),
+                   topk_cfg(64, 4, 1, 168, key32=True, hybrid=True), topk_cfg(64, 4, 3, 168, key32=True, hybrid=True)]
 
 
 def rnd(gen, *shape):  # random bf16, never zero

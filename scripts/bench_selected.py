@@ -212,7 +212,7 @@ def variants(T, G, D, S, bs, device):
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
-             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG", "OVERLAP")
+             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -227,10 +227,10 @@ def variants(T, G, D, S, bs, device):
     # The tiles past a key's causal rows without the mask, in their own (pipelined) loop, and
     # unsigned index arithmetic: 27% fewer instructions in the forward's loop, 23% in dk/dv's, no
     # faster (selected_variants8_h200.log; not bound by instructions).
-    # The reductions on a second stream beside the next partition's main kernel (OVERLAP, double
-    # partial buffers) against one stream:
-    fwd_variants = [{}, {"OVERLAP": False}]
-    bwd_variants = [{}, {"OVERLAP": False}]
+    # The reductions on a second CUDA stream beside the next partition's main kernel, with double
+    # partial buffers: about 1% faster for one more partition buffer of memory (selected_variants9_h200.log).
+    fwd_variants = [{}]
+    bwd_variants = [{}, {"BWD_BM": 64}, {"BWD_BM": 64, "SEG_TILES": 128}, {"BWD_BM": 64, "BWD_MAXNREG": 128}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

@@ -30,7 +30,6 @@ Scores are kept in log2 units (``scale * log2(e)`` folded into the scale).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -355,67 +354,6 @@ BWD_MAXNREG = 0
 MERGE_WARPS_SMALL_G = 1
 
 
-# OVERLAP: the partial buffers are double-buffered (one more partition's worth of memory) and,
-# on CUDA, the reductions (forward merge, backward dq) of partition p run on a second,
-# high-priority stream while the main stream runs partition p + 1's main kernel. The main
-# kernels are latency bound and the reductions bandwidth bound (docs/selected_attention.md).
-# Every kernel is the same and each partition's reduction still follows its main kernel
-# (events), so the results are bit for bit those of one stream. (On the CPU the buffers
-# alternate too, so the tests check which buffer each reduction reads.) FLASH_MSA_FMSA_OVERLAP=0
-# turns it off (one buffer, one stream).
-OVERLAP = os.environ.get("FLASH_MSA_FMSA_OVERLAP", "1") != "0"
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The reductions' stream on ``device`` (highest priority, so their programs take SMs as the
-    main kernel's free them), created once."""
-    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key, priority=torch.cuda.Stream.priority_range()[1])
-    return _SIDE_STREAMS[key]
-
-
-class _Reductions:
-    """Partition by partition: ``buffer(i)`` is the partial buffer partition i's main kernel
-    writes (after the reduction that last read it), ``run(i, fn)`` launches its reduction ``fn``
-    after that main kernel, on the side stream when overlapping; ``join()`` makes the main stream
-    wait for all of them."""
-
-    def __init__(self, x: torch.Tensor, make):
-        self.buffers = [make() for _ in range(2 if OVERLAP else 1)]
-        self.done = [None] * len(self.buffers)
-        self.on = OVERLAP and x.is_cuda
-        if self.on:
-            self.main = torch.cuda.current_stream(x.device)
-            self.side = _side_stream(x.device)
-
-    def buffer(self, i: int):
-        b = i % len(self.buffers)
-        if self.done[b] is not None:
-            self.main.wait_event(self.done[b])
-        return self.buffers[b]
-
-    def run(self, i: int, fn) -> None:
-        if not self.on:
-            fn()
-            return
-        ready = torch.cuda.Event()
-        ready.record(self.main)
-        with torch.cuda.stream(self.side):
-            self.side.wait_event(ready)
-            fn()
-            done = torch.cuda.Event()
-            done.record(self.side)
-        self.done[i % len(self.buffers)] = done
-
-    def join(self) -> None:
-        if self.on:
-            self.main.wait_stream(self.side)
-
-
 def _reg_cap(cap: int, x: torch.Tensor) -> dict:
     """Launch option for a register cap (0: none); the CPU interpreter takes no maxnreg."""
     return {"maxnreg": cap} if cap and x.is_cuda else {}
@@ -515,11 +453,9 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
     o = torch.empty_like(q)
     lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
     rows = partition_rows(T, Tc, HKG, G, S)
-    parts = _Reductions(q, lambda: (
-        torch.empty(rows, D, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype),
-        torch.empty(rows, device=q.device, dtype=torch.float32)))
-    for i, (i_c, c0, hk0, k_lo) in enumerate(_partitions(csr, HKG)):
-        po, plse = parts.buffer(i)
+    po = torch.empty(rows, D, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype)
+    plse = torch.empty(rows, device=q.device, dtype=torch.float32)
+    for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         entries = min(Tc, T - c0) * HKG * S
         fmsa_fwd_kernel[(tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)](
             q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
@@ -527,19 +463,18 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG,
             num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
             **_reg_cap(FWD_MAXNREG, q))
-        parts.run(i, lambda po=po, plse=plse, c0=c0, hk0=hk0: fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
+        fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-            BSS=triton.next_power_of_2(S), HKG=HKG, num_warps=_merge_warps(G)))
-    parts.join()
+            BSS=triton.next_power_of_2(S), HKG=HKG, num_warps=_merge_warps(G))
     return o, lse
 
 
-def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, write_dq: bool,
+def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial: Optional[torch.Tensor],
                   HKG: int, block_indices: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None,
                   dq_acc: bool = False):
-    """dk, dv (dtype of k) by KV block. With ``write_dq`` also dq (into ``dq``; added to what it
-    holds with ``dq_acc``), through a partial buffer per partition (two with OVERLAP)."""
+    """dk, dv (dtype of k) by KV block. With ``dq_partial`` also dq (into ``dq``; added to what it
+    holds with ``dq_acc``), partition by partition."""
     T, HQ, D = q.shape
     HK, S = k.shape[1], csr.S
     G = HQ // HK
@@ -556,14 +491,11 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, write_dq: b
     dk_acc = torch.empty(T, HKG, D, device=k.device, dtype=torch.float32)
     dv_acc = torch.empty_like(dk_acc)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    # bf16/fp16 dq parts for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
-    rows = partition_rows(T, Tc, HKG, G, S)
-    parts = _Reductions(q, (lambda: torch.empty(rows, D, device=q.device, dtype=q.dtype)) if write_dq else (lambda: None))
-    for i, (i_c, c0, hk0, k_lo) in enumerate(_partitions(csr, HKG)):
+    write_dq = dq_partial is not None
+    for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         if i_c == 0:
             dk_acc.zero_()
             dv_acc.zero_()
-        dq_partial = parts.buffer(i)
         nbc = chunk_blocks(csr, i_c)
         entries = min(Tc, T - c0) * HKG * S
         fmsa_bwd_dkdv_kernel[(tile_bound(entries, G, SEG, HKG * nbc),)](
@@ -576,13 +508,12 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, write_dq: b
             dk_acc, dv_acc, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
             k_lo, NB, nbc, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, num_warps=8)
         if write_dq:
-            parts.run(i, lambda dqp=dq_partial, c0=c0, hk0=hk0: fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
-                dqp, dq, block_indices, meta.tok_start, c0, hk0, T,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc))
+            fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
+                dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
+                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc)
         if i_c == csr.num_chunks - 1:  # these KV heads are done
             dk[:, hk0:hk0 + HKG].copy_(dk_acc)
             dv[:, hk0:hk0 + HKG].copy_(dv_acc)
-    parts.join()
     return dk, dv
 
 
@@ -613,7 +544,10 @@ def fmsa_backward(q, k, v, lse, block_indices, state, scale: float, do, delta, d
     acc = dq is not None
     if not acc:
         dq = torch.empty_like(q)
-    dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, True, HKG, block_indices, dq, dq_acc=acc)
+    # bf16/fp16 partials for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
+    rows = partition_rows(T, csr.chunk_size, HKG, HQ // k.shape[1], csr.S)
+    dq_partial = torch.empty(rows, D, device=q.device, dtype=q.dtype)
+    dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, HKG, block_indices, dq, dq_acc=acc)
     return dq, dk, dv
 
 

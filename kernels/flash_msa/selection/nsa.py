@@ -157,7 +157,7 @@ def nsa_backward(q, k, v, lse, block_indices, meta, scale: float, do, delta, dq:
     T, HQ, D = q.shape
     chunk, heads = _fmsa.default_partition(T, HQ, k.shape[1], block_indices.shape[-1], D, q.element_size())
     csr = build_selection_csr(block_indices, meta, chunk)
-    dk, dv = _fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, False, heads)
+    dk, dv = _fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, None, heads)
     return dq, dk, dv
 
 

@@ -111,22 +111,6 @@ def test_fmsa_partitions(chunk, heads, device, monkeypatch):
     assert_matches_reference("fmsa", c, device, chunk_size=chunk, heads=heads)
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "one-stream"])
-def test_fmsa_overlapped_reductions(overlap, device, monkeypatch):
-    """With many partitions (per KV head, several chunks) the partial buffers alternate and, on
-    CUDA, the reductions run on a second stream beside the next partition's main kernel: the
-    reference's results, and bit for bit those of one buffer on one stream."""
-    monkeypatch.setattr(fmsa, "SEG_TILES", 1)
-    monkeypatch.setattr(fmsa, "BWD_BM", 16)
-    c = make_case(200, 3, 2, 16, 3, 16, device, cu_seqlens=[0, 9, 130, 200], seed=11)
-    c.block_indices[..., 0] = torch.where(c.block_indices[..., 0] >= 0, c.block_indices[..., 0], 0)
-    monkeypatch.setattr(fmsa, "OVERLAP", overlap)
-    got = assert_matches_reference("fmsa", c, device, chunk_size=32, heads=1)
-    monkeypatch.setattr(fmsa, "OVERLAP", not overlap)
-    for a, b in zip(got, run("fmsa", c, chunk_size=32, heads=1)):
-        assert torch.equal(a, b)
-
-
 def test_default_partition(monkeypatch):
     """One partition with all KV heads when the sequence fits the budget; otherwise one KV head
     and the longest power-of-two chunk whose partials fit, unless all heads would take fewer

@@ -138,16 +138,25 @@ def _swap_kv(k, v, flip, i: tl.constexpr, n_dims: tl.constexpr):
 
 
 @triton.jit
+def _merge_stage_split(k, v, R: tl.constexpr, jj: tl.constexpr, LOG_M: tl.constexpr):
+    # one descending compare-and-swap stage of keys k [R, 2**LOG_M] (distance 2**(LOG_M - 1 - jj),
+    # 2**jj groups) by splits and joins, the values v moved alike: a compare, the keys' max and min,
+    # two selects of the values per pair
+    k_l, k_r = tl.split(tl.permute(tl.reshape(k, [R, 1 << jj, 2, 1 << (LOG_M - 1 - jj)]), [0, 1, 3, 2]))
+    v_l, v_r = tl.split(tl.permute(tl.reshape(v, [R, 1 << jj, 2, 1 << (LOG_M - 1 - jj)]), [0, 1, 3, 2]))
+    m_sw = k_l < k_r
+    k = tl.reshape(tl.permute(tl.join(tl.maximum(k_l, k_r), tl.minimum(k_l, k_r)), [0, 1, 3, 2]), [R, 1 << LOG_M])
+    v = tl.reshape(tl.permute(tl.join(tl.where(m_sw, v_r, v_l), tl.where(m_sw, v_l, v_r)), [0, 1, 3, 2]), [R, 1 << LOG_M])
+    return k, v
+
+
+@triton.jit
 def _merge_desc_kv_split(k, v, R: tl.constexpr, LOG_M: tl.constexpr):
     # _merge_desc_kv by splits and joins, like our own network: under the interpreter the top-k
     # tests took 345 s with it, 672 s with the xor reductions; on the GPU a split along a lane bit
     # costs a layout conversion
-    for jj in tl.static_range(0, LOG_M):  # distance 2**(LOG_M - 1 - jj), 2**jj groups
-        k_l, k_r = tl.split(tl.permute(tl.reshape(k, [R, 1 << jj, 2, 1 << (LOG_M - 1 - jj)]), [0, 1, 3, 2]))
-        v_l, v_r = tl.split(tl.permute(tl.reshape(v, [R, 1 << jj, 2, 1 << (LOG_M - 1 - jj)]), [0, 1, 3, 2]))
-        m_sw = k_l < k_r
-        k = tl.reshape(tl.permute(tl.join(tl.where(m_sw, k_r, k_l), tl.where(m_sw, k_l, k_r)), [0, 1, 3, 2]), [R, 1 << LOG_M])
-        v = tl.reshape(tl.permute(tl.join(tl.where(m_sw, v_r, v_l), tl.where(m_sw, v_l, v_r)), [0, 1, 3, 2]), [R, 1 << LOG_M])
+    for jj in tl.static_range(0, LOG_M):
+        k, v = _merge_stage_split(k, v, R, jj, LOG_M)
     return k, v
 
 
@@ -175,11 +184,8 @@ def _swap_k(k, flip, i: tl.constexpr, n_dims: tl.constexpr):
 def _swap_kv_mm(k, v, flip, i: tl.constexpr, n_dims: tl.constexpr):
     # _swap_kv in _swap_k's form: the key by min/max, the value follows (keys are distinct but
     # for -1s, whose values are dropped)
-    k_y = k ^ tl.xor_sum(k, n_dims - 1 - i, True)
-    v_y = v ^ tl.xor_sum(v, n_dims - 1 - i, True)
-    right = tl.reshape(tl.arange(0, 2), [1] * (n_dims - i - 1) + [2] + [1] * i)
-    k_n = tl.where((flip ^ right) != 0, tl.maximum(k, k_y), tl.minimum(k, k_y))
-    return k_n, tl.where(k_n == k, v, v_y)
+    k_n = _swap_k(k, flip, i, n_dims)
+    return k_n, tl.where(k_n == k, v, v ^ tl.xor_sum(v, n_dims - 1 - i, True))
 
 
 @triton.jit
@@ -208,16 +214,10 @@ def _sort_hybrid(x, BT: tl.constexpr, LOG_NB: tl.constexpr, LOG_BT: tl.constexpr
 @triton.jit
 def _merge_desc_kv_hybrid(k, v, BT: tl.constexpr, LOG_NB: tl.constexpr, LOG_BT: tl.constexpr, REG: tl.constexpr):
     # _merge_desc_kv with the stages along the REG lowest (register) index bits by splits and
-    # joins: one compare, max/min of the keys, two selects of the blocks per pair
+    # joins (_merge_stage_split), the others by the predicated min/max exchange
     for jj in tl.static_range(0, LOG_NB):  # distance 2**(LOG_NB - 1 - jj)
         if LOG_NB - 1 - jj < REG:
-            k_l, k_r = tl.split(tl.permute(tl.reshape(k, [BT, 1 << jj, 2, 1 << (LOG_NB - 1 - jj)]), [0, 1, 3, 2]))
-            v_l, v_r = tl.split(tl.permute(tl.reshape(v, [BT, 1 << jj, 2, 1 << (LOG_NB - 1 - jj)]), [0, 1, 3, 2]))
-            m_sw = k_l < k_r
-            k = tl.reshape(tl.permute(tl.join(tl.maximum(k_l, k_r), tl.minimum(k_l, k_r)), [0, 1, 3, 2]),
-                           [BT, 1 << LOG_NB])
-            v = tl.reshape(tl.permute(tl.join(tl.where(m_sw, v_r, v_l), tl.where(m_sw, v_l, v_r)), [0, 1, 3, 2]),
-                           [BT, 1 << LOG_NB])
+            k, v = _merge_stage_split(k, v, BT, jj, LOG_NB)
         else:
             hk = tl.reshape(k, [2] * (LOG_BT + LOG_NB))
             hv = tl.reshape(v, [2] * (LOG_BT + LOG_NB))

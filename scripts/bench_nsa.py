@@ -205,6 +205,27 @@ def bench_model(name, T, args, device, row):
             TB.fused = fused
         save(args)
 
+    if args.compare_local:
+        # fmsa's local blocks in the window kernel (flash_msa/fused.py) off, side by side; the
+        # outputs and gradients of the two must agree
+        from flash_msa import fused as fused_mod
+        on = fused_mod.LOCAL_IN_WINDOW
+        row["local_in_window"] = fused_mod.local_in_window(row["selected_impl"], SIZES["slc_block"],
+                                                           SIZES["slc_topk"], SIZES["window"]) and on
+        ref = [fwd().detach(), *fwd_bwd()]
+        fused_mod.LOCAL_IN_WINDOW = not on
+        try:
+            other = [fwd().detach(), *fwd_bwd()]
+            row["local_toggle_max_rel_rms"] = max(rel_rms(a, b) for a, b in zip(other, ref))
+            del ref, other
+            with torch.no_grad():
+                row["local_toggled_fwd_ms"] = timer(fwd, T, args)
+            row["local_toggled_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
+            row["local_toggled_peak_mib"] = peak_mib(fwd_bwd)
+        finally:
+            fused_mod.LOCAL_IN_WINDOW = on
+        save(args)
+
     if args.compare_cmp:
         # the other compressed-attention backend (Triton range kernels / cuDNN), side by side
         other = "cudnn" if row["cmp_backend"] == "triton" else "triton"
@@ -351,6 +372,21 @@ def write_markdown(res, path):
             lines.append("| " + " | ".join([r["model"], str(r["T"]), _f(r.get("composed_fwd_ms")),
                                              _f(r.get("composed_fwd_bwd_ms")), _f(r.get("nsa_fwd_bwd_ms")),
                                              _f(r.get("composed_peak_mib"), 0), _f(r.get("nsa_peak_mib"), 0)]) + " |")
+    local_rows = [r for r in res["rows"] if r.get("local_toggled_fwd_bwd_ms")]
+    if local_rows:
+        lines += ["", "fmsa's local blocks in the window kernel (flash_msa/fused.py) on and off (`--compare-local`, "
+                  "same run; `shipped` says which one the rows above ran); max relative RMS between the two runs' "
+                  "output and gradients:", "",
+                  "| model | T | shipped | on fwd | on f+b | off fwd | off f+b | on peak | off peak | max rel RMS |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in local_rows:
+            on = r.get("local_in_window")
+            mine = (r.get("nsa_fwd_ms"), r.get("nsa_fwd_bwd_ms"), r.get("nsa_peak_mib"))
+            theirs = (r.get("local_toggled_fwd_ms"), r.get("local_toggled_fwd_bwd_ms"), r.get("local_toggled_peak_mib"))
+            a, b = (mine, theirs) if on else (theirs, mine)
+            lines.append("| " + " | ".join([r["model"], str(r["T"]), "on" if on else "off", _f(a[0]), _f(a[1]),
+                                             _f(b[0]), _f(b[1]), _f(a[2], 0), _f(b[2], 0),
+                                             f"{r.get('local_toggle_max_rel_rms', float('nan')):.1e}"]) + " |")
     cmp_rows = [r for r in res["rows"] if r.get("triton_cmp_fwd_bwd_ms") or r.get("cudnn_cmp_fwd_bwd_ms")]
     if cmp_rows:
         lines += ["", "Compressed attention on the Triton range kernels against cuDNN's dense grouped form "
@@ -429,6 +465,8 @@ def main():
     p.add_argument("--plot-only", default=None)
     p.add_argument("--compare-composed", action="store_true",
                    help="also time the whole op as one autograd Function per branch (before flash_msa/fused.py)")
+    p.add_argument("--compare-local", action="store_true",
+                   help="also time the whole op with fmsa's local blocks in the window kernel toggled (flash_msa/fused.py)")
     p.add_argument("--compare-cmp", action="store_true",
                    help="also time the whole op with compressed attention on the other backend (Triton / cuDNN)")
     p.add_argument("--dense-from", default=None,

@@ -109,9 +109,10 @@ def cases():
                     dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa.FWD_STAGES,
                          **({"maxnreg": fmsa.FWD_MAXNREG} if fmsa.FWD_MAXNREG else {}))))
         sig = dict(po=B, plse=F, o=B, lse=F, block_indices=I, tok_start=I, c0="i64", hk0="i32", T="i32")
-        out.append((f"fmsa_merge G={G}", fmsa.fmsa_merge_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16, HKG=HKG), ("T",),
-                    dict(num_warps=fmsa._merge_warps(G))))
+        for local in (0, 2):  # the whole op's fmsa merges into the window kernel's local blocks (fused.py)
+            out.append((f"fmsa_merge{' local' if local else ''} G={G}", fmsa.fmsa_merge_kernel, sig,
+                        dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16, HKG=HKG,
+                             LOCAL=local), ("T",), dict(num_warps=fmsa._merge_warps(G))))
         sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dk=F, dv=F, dkp=F, dvp=F, dqp=B, entry_ids=I, key_offsets=I,
                    seg_key=I, seg_first=I, slot_first=I, block_start=I, block_end=I,
                    k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32", scale="fp32")
@@ -145,20 +146,24 @@ def cases():
                         (), cfg["opts"]))
         for kind in ("cmp", "window"):
             tiles = w._tiles(128, torch.device("cuda"), kind)
-            for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F)),
-                                    ("dq", w.range_attn_bwd_dq_kernel, dict(do=B, lse=F, delta=F, dq=B)),
+            for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F, o_loc=B, lse_loc=F)),
+                                    ("dq", w.range_attn_bwd_dq_kernel, dict(do=B, lse=F, delta=F, dq=B, lse2=F, delta2=F)),
                                     ("dkdv", w.range_attn_bwd_dkdv_kernel,
-                                     dict(do=B, lse=F, delta=F, dk=B, dv=B))):
+                                     dict(do=B, lse=F, delta=F, dk=B, dv=B, lse2=F, delta2=F))):
                 names = fn.arg_names[:fn.arg_names.index("HQ")]
-                types = dict(q=B, k=B, v=B, lo=I, hi=I, qlo=I, qhi=I, scale2="fp32", scale="fp32", T="i32", Tk="i32",
-                             **extra)
+                types = dict(q=B, k=B, v=B, lo=I, hi=I, qlo=I, qhi=I, mid=I, qmid=I, scale2="fp32", scale="fp32",
+                             T="i32", Tk="i32", **extra)
                 bm, bn, opts = tiles[kern]
                 const = {n: v for n, v in opts.items() if n.isupper()}  # dk/dv's row order
                 if kern == "dq":  # the whole op (flash_msa/fused.py): the window adds to compressed attention's dq
                     const["ACC"] = kind == "window"
                 opts = {n: v for n, v in opts.items() if not n.isupper()}
-                out.append((f"range_{kern} {kind} G={G}", fn, {n: types[n] for n in names},
-                            dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BM=bm, BN=bn, **const), ("T", "Tk"), opts))
+                # the whole op's window also computes fmsa's local blocks (LOCAL, flash_msa/fused.py)
+                for local in ((False, True) if kind == "window" else (False,)):
+                    out.append((f"range_{kern} {kind}{' local' if local else ''} G={G}", fn,
+                                {n: types[n] for n in names},
+                                dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BM=bm, BN=bn, LOCAL=local, **const), ("T", "Tk"),
+                                opts))
     return out
 
 

@@ -18,9 +18,20 @@ The forward runs the same kernels as the composed path; what the backward keeps 
 but the three branch output gradients and their sums are never materialised, so the peak memory
 of a forward + backward is lower. Compression (phi) stays its own autograd Function: this one
 returns the gradients of the compressed keys and values.
+
+The local blocks in the window kernel (``LOCAL_IN_WINDOW``, with fmsa): top-k always selects a
+query's own block and the one before (for n >= 3), and with a window of at least two blocks these
+keys ``[mid, t]`` are the last keys of the query's window, whose scores the window kernel computes
+anyway. So the window kernel takes them first, writes their softmax (the partial output and lse of
+those two blocks) as selected attention's starting point, and goes on over the rest of the window;
+fmsa leaves the two blocks out of its index and merges its partials into that starting point. In
+the backward the window kernels add the selected softmax's ds on those keys (same scores, same
+dp = do v^T: one exp and a few flops more per score), and fmsa's kernels skip them. fmsa then
+handles 2 of its 16 entries fewer per query, with their partial round trip and causal masking.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -33,9 +44,20 @@ from flash_msa.selection import fmsa as _fmsa
 from flash_msa.selection import nsa as _nsa
 from flash_msa.selection.interface import IMPLS, choose_impl
 from flash_msa.utils.cache import per_batch
-from flash_msa.window.window import range_attention_bwd, range_attention_fwd, window_ranges
+from flash_msa.window.window import local_ranges, range_attention_bwd, range_attention_fwd, window_ranges
 
 _SELECTED = {"fmsa": (_fmsa.fmsa_forward, _fmsa.fmsa_backward), "nsa": (_nsa.nsa_forward, _nsa.nsa_backward)}
+# The local blocks of selected attention in the window kernel (module docstring); "0" in
+# FLASH_MSA_LOCAL_IN_WINDOW turns it off (scripts/bench_nsa.py --compare-local times both).
+LOCAL_IN_WINDOW = os.environ.get("FLASH_MSA_LOCAL_IN_WINDOW", "1") != "0"
+LOCAL_BLOCKS = 2  # the own block and the one before: what select_blocks forces besides block 0
+
+
+def local_in_window(impl: str, slc_block: int, slc_topk: int, window: int) -> bool:
+    """Whether the window kernel computes selected attention's local blocks: fmsa, top-k keeps
+    both forced local blocks (n >= 3: block 0, own - 1 and own are forced), and the window holds
+    them (w >= 2 l')."""
+    return LOCAL_IN_WINDOW and impl == "fmsa" and slc_topk >= 3 and window >= LOCAL_BLOCKS * slc_block
 
 
 def fused_impl(q: torch.Tensor, k: torch.Tensor, slc_block: int, slc_topk: int, impl: str) -> Optional[str]:
@@ -64,11 +86,20 @@ class NSAAttentionFunction(torch.autograd.Function):
             cr = per_batch(compressed_ranges, cu, cu_cmp, T, k_cmp.shape[0], cmp_block, cmp_stride)
             o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, cr[0], cr[1], scale, "cmp")
         idx = select_blocks(q, k_cmp, lse_cmp, cu, cu_cmp, cmp_block, cmp_stride, slc_block, slc_topk, scale)
-        o_slc, lse_slc, state = _SELECTED[impl][0](q, k, v, idx, slc_block, cu, scale)
-        o_swa, lse_swa = range_attention_fwd(q, k, v, wr[0], wr[1], scale, "window")
+        lr = None
+        if local_in_window(impl, slc_block, slc_topk, window):
+            lr = per_batch(local_ranges, cu, T, slc_block)
+            o_slc = torch.empty_like(q)  # the local blocks' part, then fmsa merges into it
+            lse_slc = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            o_swa, lse_swa = range_attention_fwd(q, k, v, wr[0], wr[1], scale, "window", local=(lr[0], o_slc, lse_slc))
+            o_slc, lse_slc, state = _fmsa.fmsa_forward(q, k, v, idx, slc_block, cu, scale, local=LOCAL_BLOCKS,
+                                                       o=o_slc, lse=lse_slc)
+        else:
+            o_slc, lse_slc, state = _SELECTED[impl][0](q, k, v, idx, slc_block, cu, scale)
+            o_swa, lse_swa = range_attention_fwd(q, k, v, wr[0], wr[1], scale, "window")
         o = gate_combine_fwd(o_cmp, o_slc, o_swa, gates, q.dtype)
         ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa, idx)
-        ctx.cr, ctx.wr, ctx.state, ctx.scale, ctx.impl = cr, wr, state, scale, impl
+        ctx.cr, ctx.wr, ctx.lr, ctx.state, ctx.scale, ctx.impl = cr, wr, lr, state, scale, impl
         ctx.dense, ctx.cmp_sizes = dense, (cmp_block, cmp_stride)
         return o
 
@@ -85,8 +116,9 @@ class NSAAttentionFunction(torch.autograd.Function):
         else:
             dq, dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, None, lse[0], do, None, *ctx.cr, scale, "cmp",
                                                      delta=delta[0])
+        local = None if ctx.lr is None else (*ctx.lr, lse[1], delta[1])  # the local blocks' selected softmax
         dq, dk, dv = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
-                                         delta=delta[2], dq=dq)
+                                         delta=delta[2], dq=dq, local=local)
         dq, dk_slc, dv_slc = _SELECTED[ctx.impl][1](q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq)
         dk += dk_slc
         dv += dv_slc

@@ -17,6 +17,10 @@ CASES = {  # (cu_seqlens, HQ, HK, D, sizes)
     "G16-D128": ([0, 70, 130], 16, 1, 128, dict(cmp_block=16, cmp_stride=8, slc_block=32, slc_topk=2, window=24)),
     # two sequences of 150 tokens, run as a dense batch [2, 150] (test_nsa_triton_dense_compressed_attention)
     "batch2-G4-D64": ([0, 150, 300], 8, 2, 64, dict(cmp_block=32, cmp_stride=16, slc_block=32, slc_topk=3, window=40)),
+    # a window of at least two selection blocks: fmsa's local blocks run in the window kernel
+    # (flash_msa/fused.py, local_in_window); sequences shorter than a block, of one and of many blocks
+    "local-G5": ([0, 20, 100, 230, 250], 10, 2, 16, dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=4, window=40)),
+    "local-G3-D64": ([0, 150, 300], 6, 2, 64, dict(cmp_block=32, cmp_stride=16, slc_block=32, slc_topk=5, window=64)),
 }
 
 
@@ -38,6 +42,23 @@ def _inputs(cu_list, HQ, HK, D, l, device, dtype):
 @pytest.mark.parametrize("case", ["varlen-G5", "G4-defaults-D32", "G16-D128"])
 def test_nsa_triton_matches_reference(case, device):
     _check_against_reference(case, device)
+
+
+@pytest.mark.parametrize("case", ["local-G5", "local-G3-D64"])
+def test_nsa_triton_local_blocks_in_window(case, device, monkeypatch, small_range_tiles):
+    """fmsa's local blocks computed by the window kernels (flash_msa/fused.py), with 16x16
+    window tiles so every loop part runs, gates of 0 and 1, and a tiny partial budget (several
+    fmsa partitions, each merging into the window's partial)."""
+    from flash_msa import fused
+    from flash_msa.selection import fmsa
+    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 40 << 10)
+    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
+    calls = []
+    real = fused.local_ranges
+    monkeypatch.setattr(fused, "local_ranges", lambda *a: calls.append(a[1:]) or real(*a))
+    _check_against_reference(case, device, gate_values=(0.0, 1.0))
+    sizes = CASES[case][4]
+    assert calls == [(CASES[case][0][-1], sizes["slc_block"])]
 
 
 # the interpreter evaluates both sides of tl.where: log2(0) and -inf - -inf, then discarded
@@ -106,7 +127,8 @@ def _check_against_reference(case, device, gate_values=(), batch=None):
                           impl="nsa" if case == "G16-D128" else "auto", k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
     else:
         # every Triton branch, with each selected-attention loop order in one case (interpreter)
-        selected = {"varlen-G5": "fmsa", "G16-D128": "nsa", "batch2-G4-D64": "fmsa"}.get(case, "reference")
+        selected = {"varlen-G5": "fmsa", "G16-D128": "nsa", "batch2-G4-D64": "fmsa", "local-G5": "fmsa",
+                    "local-G3-D64": "fmsa"}.get(case, "reference")
         o = _compose(BRANCHES["triton"], q[0], k[0], v[0], gates[0], (kw, kp, kj), (vw, vp, vj), cu,
                      sizes["cmp_block"], sizes["cmp_stride"], sizes["slc_block"], sizes["slc_topk"],
                      sizes["window"], scale, selected, uniform=(batch, T // batch) if batch else None).view(1, T, HQ, D)

@@ -140,8 +140,11 @@ def fmsa_fwd_kernel(
 def fmsa_merge_kernel(
     po, plse, o, lse, block_indices, tok_start, c0, hk0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr, HKG: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr, HKG: tl.constexpr, LOCAL: tl.constexpr,
 ):
+    # LOCAL > 0: the token's last LOCAL blocks are not in the partials (the CSR left them out);
+    # o / lse hold their partial output and lse (log2) on entry, written by the window kernel
+    # (flash_msa/fused.py), which this merges first.
     i_t = c0 + tl.program_id(0).to(tl.int64)
     i_hk = hk0 + tl.program_id(1)
     if i_t >= T:
@@ -153,25 +156,32 @@ def fmsa_merge_kernel(
     # pass 1: max of the valid slots' lse, all slots loaded at once. [BSS, BG]
     o_s = tl.arange(0, BSS)
     b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + o_s, mask=o_s < S, other=-1)
-    m_sv = (b_idx >= 0) & (b_idx <= own)
+    m_sv = (b_idx >= 0) & (b_idx <= own - LOCAL)
     o_row = ((i_t - c0) * HKG + tl.program_id(1)) * S  # first partial entry of this (token, KV head)
     m_sg = m_sv[:, None] & m_g[None, :]
     b_lse = tl.load(plse + (o_row + o_s)[:, None] * G + o_g[None, :], mask=m_sg, other=float("-inf"))
     b_m = tl.max(b_lse, 0)  # [BG]
+    o_h = i_t * HQ + i_hk * G + o_g
+    if LOCAL > 0:
+        b_lloc = tl.load(lse + o_h, mask=m_g, other=0.)  # never -inf: the own block holds the token
+        b_m = tl.maximum(b_m, b_lloc)
     b_ok = b_m > float("-inf")
     b_m = tl.where(b_ok, b_m, 0.)
     b_l = tl.sum(tl.exp2(b_lse - b_m[None, :]), 0)
     # pass 2: weighted sum in slot order; loads are independent of each other
     b_acc = tl.zeros([BG, D], dtype=tl.float32)
+    if LOCAL > 0:
+        b_wl = tl.exp2(b_lloc - b_m)
+        b_l += b_wl
+        b_acc += tl.load(o + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.).to(tl.float32) * b_wl[:, None]
     for i_s in tl.static_range(S):
         b_iv = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64))  # [BG], one value
-        m_v = (b_iv >= 0) & (b_iv <= own) & m_g
+        m_v = (b_iv >= 0) & (b_iv <= own - LOCAL) & m_g
         o_p = (o_row + i_s) * G + o_g  # [BG]
         b_w = tl.exp2(tl.load(plse + o_p, mask=m_v, other=float("-inf")) - b_m)
         b_o = tl.load(po + o_p[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
         b_acc += b_o * b_w[:, None]
     b_l = tl.where(b_ok, b_l, 1.)
-    o_h = i_t * HQ + i_hk * G + o_g
     tl.store(o + o_h[:, None] * D + o_d[None, :], (b_acc / b_l[:, None]).to(o.dtype.element_ty), mask=m_g[:, None])
     tl.store(lse + o_h, tl.where(b_ok, b_m + tl.log2(b_l), 0.), mask=m_g)
 
@@ -284,9 +294,10 @@ def fmsa_bwd_dkdv_reduce_kernel(
 def fmsa_bwd_dq_kernel(
     dqp, dq, block_indices, tok_start, c0, hk0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BG: tl.constexpr, HKG: tl.constexpr, ACC: tl.constexpr,
+    BS: tl.constexpr, BG: tl.constexpr, HKG: tl.constexpr, ACC: tl.constexpr, LOCAL: tl.constexpr,
 ):
-    # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32
+    # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32;
+    # LOCAL: the token's last LOCAL blocks have no dq parts (the window kernel added their dq)
     i_t = c0 + tl.program_id(0).to(tl.int64)
     i_hk = hk0 + tl.program_id(1)
     if i_t >= T:
@@ -299,7 +310,7 @@ def fmsa_bwd_dq_kernel(
     b_dq = tl.zeros([BG, D], dtype=tl.float32)
     for i_s in tl.static_range(S):  # slot order: deterministic; loads independent of each other
         b_iv = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64))  # [BG], one value
-        m_v = (b_iv >= 0) & (b_iv <= own) & m_g
+        m_v = (b_iv >= 0) & (b_iv <= own - LOCAL) & m_g
         o_p = (o_row + i_s) * G + o_g
         b_dq += tl.load(dqp + o_p[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
     o_h = i_t * HQ + i_hk * G + o_g
@@ -438,10 +449,13 @@ def _partitions(csr: SelectionCSR, HKG: int):
             yield i_c, i_c * Tc, hk0, (i_c * HK + hk0) * NB
 
 
-def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
+def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
+             o: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
     """q [T, HQ, D], k/v [T, HK, D], block_indices [T, HK, S] -> o [T, HQ, D], lse fp32 [T, HQ] (log2).
 
     Partitions of ``csr.chunk_size`` tokens and ``HKG`` KV heads (HK or 1) bound the partial buffers.
+    When ``csr.local`` > 0, ``o`` and ``lse`` hold the partial output and lse (log2) of each
+    query's last ``csr.local`` blocks on entry (flash_msa/fused.py) and are merged into in place.
     """
     T, HQ, D = q.shape
     HK, S = k.shape[1], block_indices.shape[-1]
@@ -450,8 +464,12 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
     BM = _fwd_tile_rows(D, meta.block_size)
     R = BM * FWD_TILES  # rows of a program: FWD_TILES row tiles of one key
     tile_key, tile_first = tile_schedule(csr, G, R)
-    o = torch.empty_like(q)
-    lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
+    if csr.local:
+        if o is None or lse is None:
+            raise ValueError("fmsa_fwd: a CSR without the local blocks needs their partial output and lse as o, lse")
+    else:
+        o = torch.empty_like(q)
+        lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
     rows = partition_rows(T, Tc, HKG, G, S)
     po = torch.empty(rows, D, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
@@ -466,7 +484,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int):
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
             po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-            BSS=triton.next_power_of_2(S), HKG=HKG, num_warps=_merge_warps(G))
+            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, num_warps=_merge_warps(G))
     return o, lse
 
 
@@ -510,7 +528,7 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
         if write_dq:
             fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
                 dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc)
+                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc, LOCAL=csr.local)
         if i_c == csr.num_chunks - 1:  # these KV heads are done
             dk[:, hk0:hk0 + HKG].copy_(dk_acc)
             dv[:, hk0:hk0 + HKG].copy_(dv_acc)
@@ -518,8 +536,13 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
 
 
 def fmsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: float,
-                 chunk_size: Optional[int] = None, heads: Optional[int] = None):
-    """(o, lse, (csr, HKG)) on flat [T, H, D] inputs: the forward and what its backward needs."""
+                 chunk_size: Optional[int] = None, heads: Optional[int] = None, local: int = 0,
+                 o: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+    """(o, lse, (csr, HKG)) on flat [T, H, D] inputs: the forward and what its backward needs.
+
+    ``local`` > 0: the last ``local`` blocks of each query (which every query must have selected)
+    are computed by the caller, whose partial output and lse (log2) ``o`` and ``lse`` hold; the
+    backward then leaves their gradients to the caller too (flash_msa/fused.py)."""
     T, HQ, D = q.shape
     HK, S = k.shape[1], block_indices.shape[-1]
     if chunk_size is None:
@@ -531,8 +554,8 @@ def fmsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: flo
         raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
                          "(chunk * KV heads per partition * G * S); it must be < 2^31")
     meta = get_block_meta(cu_seqlens, T, block_size)
-    csr = build_selection_csr(block_indices, meta, chunk_size)
-    o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale, HKG)
+    csr = build_selection_csr(block_indices, meta, chunk_size, local)
+    o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale, HKG, o, lse)
     return o, lse, (csr, HKG)
 
 

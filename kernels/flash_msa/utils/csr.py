@@ -54,6 +54,7 @@ class SelectionCSR:
     num_chunks: int
     entry_ids: torch.Tensor    # int32 [T * HK * S], valid entries first
     key_offsets: torch.Tensor  # int32 [num_chunks * HK * num_blocks + 1]
+    local: int = 0             # each query's last ``local`` blocks are left out (valid_entries)
 
     @property
     def keys_per_chunk(self) -> int:
@@ -98,19 +99,21 @@ def get_block_meta(cu_seqlens: torch.Tensor, T: int, block_size: int) -> BlockMe
     return per_batch(prepare_block_meta, cu_seqlens, T, block_size)
 
 
-def valid_entries(block_indices: torch.Tensor, meta: BlockMeta) -> torch.Tensor:
-    """bool [T, HK, S]: entry names a block at or before the query's own block."""
+def valid_entries(block_indices: torch.Tensor, meta: BlockMeta, local: int = 0) -> torch.Tensor:
+    """bool [T, HK, S]: entry names a block at or before the query's own block, less the last
+    ``local`` of them (own - local + 1 .. own), which another kernel computes (flash_msa/fused.py)."""
     T = block_indices.shape[0]
     own = (torch.arange(T, device=block_indices.device) - meta.tok_start) // meta.block_size  # [T]
-    return (block_indices >= 0) & (block_indices <= own[:, None, None])
+    return (block_indices >= 0) & (block_indices <= own[:, None, None] - local)
 
 
 # build_selection_csr sorts int16 keys while num_keys + 1 values fit them (tests lower it)
 SHORT_KEYS_BELOW = 1 << 16
 
 
-def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int) -> SelectionCSR:
-    """Groups the valid entries of ``block_indices`` [T, HK, S] by (chunk, KV head, block).
+def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0) -> SelectionCSR:
+    """Groups the valid entries of ``block_indices`` [T, HK, S] by (chunk, KV head, block);
+    with ``local`` > 0 the entries of a query's last ``local`` blocks are left out (:func:`valid_entries`).
 
     A stable sort of one int32 key per entry (invalid entries sort last), then offsets by
     ``searchsorted``: no host sync, no O(T^2 / block_size) map.
@@ -122,7 +125,7 @@ def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size
     num_keys = num_chunks * HK * NB
     if num_keys >= 2 ** 31 or T * HK * S >= 2 ** 31:
         raise ValueError(f"T * HK * S = {T * HK * S} entries is too large for int32 indices (must be < 2^31)")
-    valid = valid_entries(block_indices, meta)
+    valid = valid_entries(block_indices, meta, local)
     t = torch.arange(T, device=device, dtype=torch.int32)
     gblk = meta.tok_block0[:, None, None] + block_indices  # [T, HK, S]
     head = torch.arange(HK, device=device, dtype=torch.int32)[None, :, None]
@@ -136,7 +139,7 @@ def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size
     sorted_key, order = torch.sort(key, stable=True)
     key_offsets = torch.searchsorted(sorted_key, bounds, out_int32=True)
     return SelectionCSR(meta=meta, HK=HK, S=S, chunk_size=chunk_size, num_chunks=num_chunks,
-                        entry_ids=order.to(torch.int32), key_offsets=key_offsets)
+                        entry_ids=order.to(torch.int32), key_offsets=key_offsets, local=local)
 
 
 def tile_bound(entries: int, G: int, R: int, keys: int) -> int:

@@ -108,10 +108,12 @@ def _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
 
 @triton.jit
 def range_attn_fwd_kernel(
-    q, k, v, o, lse, lo, hi, scale2, T, Tk,
+    q, k, v, o, lse, lo, hi, mid, o_loc, lse_loc, scale2, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, LOCAL: tl.constexpr,
 ):
+    # LOCAL: keys [mid, hi) first, whose partial output and lse (log2) go to o_loc / lse_loc
+    # (selected attention's last blocks, flash_msa/fused.py), then [lo, mid) on the same state
     i_m, i_h = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
     m_m = o_m < T * G
@@ -121,11 +123,22 @@ def range_attn_fwd_kernel(
     m_d = o_d < D
     p_q = q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.)  # [BM, BD]
-    b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, hi, o_t, m_m, BN)
 
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    if LOCAL:  # a few tiles (two blocks), all masked: one loop body less to hold registers for
+        b_lo, b_hi, n_start, _, _, n_end = _query_tile_keys(mid, hi, o_t, m_m, BN)
+        for n0 in range(n_start, n_end, BN):
+            b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
+        m_any = b_l > 0
+        b_ls = tl.where(m_any, b_l, 1.)
+        tl.store(o_loc + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :], (b_acc / b_ls[:, None]).to(o_loc.dtype.element_ty),
+                 mask=m_m[:, None] & m_d[None, :])
+        tl.store(lse_loc + o_t * HQ + o_hq, tl.where(m_any, b_m + tl.log2(b_ls), float("-inf")), mask=m_m)
+        b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, mid, o_t, m_m, BN)
+    else:
+        b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, hi, o_t, m_m, BN)
     for n0 in range(n_start, a, BN):
         b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
     for n0 in range(a, b, BN):
@@ -154,26 +167,37 @@ def range_attn_bwd_preprocess_kernel(o, do, dlse, delta, N, D: tl.constexpr, BD:
 
 
 @triton.jit
-def _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
-             HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+def _dq_step(b_q, b_do, b_lse, b_delta, b_lse2, b_delta2, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
+             HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
+             TWO: tl.constexpr):
+    # TWO: these keys are also in a second softmax (lse2, delta2: selected attention's last
+    # blocks, flash_msa/fused.py) over the same scores; its ds adds to this one's
     o_n, b_k, b_v = _kv_tile(k, v, n0, n_end, i_h, HK, D, BD, BN, MASK)  # [BN], [BN, BD] x2
     b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BN]
     b_p = tl.exp2(b_s - b_lse[:, None])
+    if TWO:
+        b_p2 = tl.exp2(b_s - b_lse2[:, None])
     if MASK:
         m_s = (o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None])
         b_p = tl.where(m_s, b_p, 0.)
+        if TWO:
+            b_p2 = tl.where(m_s, b_p2, 0.)
     b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
     b_ds = b_p * (b_dp - b_delta[:, None])
+    if TWO:
+        b_ds += b_p2 * (b_dp - b_delta2[:, None])
     return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k)
 
 
 @triton.jit
 def range_attn_bwd_dq_kernel(
-    q, k, v, do, lse, delta, dq, lo, hi, scale2, scale, T, Tk,
+    q, k, v, do, lse, delta, dq, lo, hi, mid, lse2, delta2, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr, LOCAL: tl.constexpr,
 ):
-    # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32
+    # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32.
+    # LOCAL: keys [mid, hi) are also in a second softmax, lse2 (log2) and delta2 (the forward's
+    # o_loc part of selected attention), whose dq this adds
     i_m, i_h = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
     m_m = o_m < T * G
@@ -189,15 +213,27 @@ def range_attn_bwd_dq_kernel(
     # rows with nothing visible (lse = -inf) contribute nothing; keep their exp2 finite
     b_lse = tl.where(b_lse == float("-inf"), 0., b_lse)
     b_delta = tl.load(delta + o_t * HQ + o_hq, mask=m_m, other=0.)  # [BM]
-    b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, hi, o_t, m_m, BN)
 
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
+    if LOCAL:
+        b_lse2 = tl.load(lse2 + o_t * HQ + o_hq, mask=m_m, other=0.)  # log2; +inf (a zero gate) gives p2 = 0
+        b_delta2 = tl.load(delta2 + o_t * HQ + o_hq, mask=m_m, other=0.)
+        b_lo, b_hi, n_start, _, _, n_end = _query_tile_keys(mid, hi, o_t, m_m, BN)
+        for n0 in range(n_start, n_end, BN):  # a few tiles, all masked (as in the forward)
+            b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_lse2, b_delta2, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
+                            HK, D, BD, BN, True, True)
+        b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, mid, o_t, m_m, BN)
+    else:
+        b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, hi, o_t, m_m, BN)
     for n0 in range(n_start, a, BN):
-        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
+        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
+                        HK, D, BD, BN, True, False)
     for n0 in range(a, b, BN):
-        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, False)
+        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
+                        HK, D, BD, BN, False, False)
     for n0 in range(b, n_end, BN):
-        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
+        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
+                        HK, D, BD, BN, True, False)
     b_dq = b_dq * scale
     if ACC:
         b_dq += tl.load(dq + o_qd, mask=m_qd, other=0.).to(tl.float32)
@@ -205,9 +241,11 @@ def range_attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
+def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
                HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-               MASK: tl.constexpr):
+               MASK: tl.constexpr, TWO: tl.constexpr):
+    # TWO (with MASK): keys [mid, hi) of a row are also in a second softmax (lse2 in log2, delta2),
+    # see range_attn_bwd_dq_kernel
     o_m = m0 + tl.arange(0, BM)
     o_t = (o_m // G).to(tl.int64)
     o_hq = i_h * G + o_m % G
@@ -230,21 +268,32 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, 
         b_p = tl.where(m_s, tl.exp2(b_s - tl.where(m_m, b_lse, 0.)[:, None]), 0.)
     else:
         b_p = tl.exp2(b_s - b_lse[:, None])
-    b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+    if TWO:
+        b_mid = tl.load(mid + o_t, mask=m_m, other=0)
+        b_lse2 = tl.load(lse2 + o_t * HQ + o_hq, mask=m_m, other=0.)
+        b_delta2 = tl.load(delta2 + o_t * HQ + o_hq, mask=m_m, other=0.)
+        m_s2 = m_m[:, None] & (o_n[None, :] >= b_mid[:, None]) & (o_n[None, :] < b_hi[:, None])
+        b_p2 = tl.where(m_s2, tl.exp2(b_s - tl.where(m_m, b_lse2, 0.)[:, None]), 0.)
+        b_dv += tl.dot(tl.trans((b_p + b_p2).to(b_do.dtype)), b_do)
+    else:
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
     b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
     b_ds = b_p * (b_dp - b_delta[:, None])
+    if TWO:
+        b_ds += b_p2 * (b_dp - b_delta2[:, None])
     b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
     return b_dk, b_dv
 
 
 @triton.jit
 def range_attn_bwd_dkdv_kernel(
-    q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale2, scale, T, Tk,
+    q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, mid, qmid, lse2, delta2, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, LOCAL: tl.constexpr,
 ):
     # one program per (key tile, KV head), a 1-D grid ordered tile-major (the KV heads of a tile
-    # are neighbours), see DKDV_DESC
+    # are neighbours), see DKDV_DESC. LOCAL (rows upwards only): key row s is also in the second
+    # softmax of the queries [qlo[s], qmid[s]) (range_attn_bwd_dq_kernel), whose rows come first.
     i_n, i_h = tl.program_id(0) // HK, tl.program_id(0) % HK
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < Tk
@@ -270,30 +319,40 @@ def range_attn_bwd_dkdv_kernel(
 
     b_dk = tl.zeros([BN, BD], dtype=tl.float32)
     b_dv = tl.zeros([BN, BD], dtype=tl.float32)
+    if LOCAL:
+        # rows up to the last query whose second softmax holds a key row of the tile, with both
+        # softmaxes (masked), then the rest as below
+        r_loc = tl.minimum(tl.maximum(tl.max(tl.where(m_nonempty, tl.load(qmid + o_n, mask=m_n, other=0), 0), 0) * G,
+                                      r_start), r_end)
+        for m0 in range(r_start, r_loc, BM):  # rows past r_loc are masked: the loops below take them
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0,
+                                    r_loc, i_h, scale2, HQ, G, D, BD, BM, True, True)
+        r_start = r_loc
+        a, b = _split_range(r_start, r_end, tl.where(m_in, t_in_lo, 0) * G, tl.where(m_in, t_in_hi, 0) * G, BM)
     if DESC:
         # rows from the last down: every program of a sequence starts at its end and walks down
         # at the same pace, so programs running together read the same q/do rows and share them
         # in L2 (walked upwards, each program starts at its own first row and reads a stream no
         # other program reads in time)
         for m0 in range(b, r_end, BM):
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
-                                    HQ, G, D, BD, BM, True)
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
+                                    HQ, G, D, BD, BM, True, False)
         for i_m in range(0, (b - a) // BM):
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, b - (i_m + 1) * BM, r_end,
-                                    i_h, scale2, HQ, G, D, BD, BM, False)
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, b - (i_m + 1) * BM, r_end,
+                                    i_h, scale2, HQ, G, D, BD, BM, False, False)
         for i_m in range(0, (a - r_start) // BM):
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, a - (i_m + 1) * BM, r_end,
-                                    i_h, scale2, HQ, G, D, BD, BM, True)
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, a - (i_m + 1) * BM, r_end,
+                                    i_h, scale2, HQ, G, D, BD, BM, True, False)
     else:
         for m0 in range(r_start, a, BM):
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
-                                    HQ, G, D, BD, BM, True)
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
+                                    HQ, G, D, BD, BM, True, False)
         for m0 in range(a, b, BM):
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
-                                    HQ, G, D, BD, BM, False)
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
+                                    HQ, G, D, BD, BM, False, False)
         for m0 in range(b, r_end, BM):
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, o_n, m0, r_end, i_h, scale2,
-                                    HQ, G, D, BD, BM, True)
+            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
+                                    HQ, G, D, BD, BM, True, False)
     tl.store(dk + o_kv, (b_dk * scale).to(dk.dtype.element_ty), mask=m_kv)
     tl.store(dv + o_kv, b_dv.to(dv.dtype.element_ty), mask=m_kv)
 
@@ -336,8 +395,12 @@ def _tiles(D: int, device, kind: str) -> dict:
     return dict(BD=BD, **cfg)
 
 
-def range_attention_fwd(q, k, v, lo, hi, scale: float, kind: str = "window"):
-    """q [T, HQ, D], k/v [Tk, HK, D], lo/hi int32 [T] -> (o [T, HQ, D], lse fp32 [T, HQ], natural log)."""
+def range_attention_fwd(q, k, v, lo, hi, scale: float, kind: str = "window", local: Optional[tuple] = None):
+    """q [T, HQ, D], k/v [Tk, HK, D], lo/hi int32 [T] -> (o [T, HQ, D], lse fp32 [T, HQ], natural log).
+
+    ``local`` = (mid int32 [T], o_loc [T, HQ, D], lse_loc fp32 [T, HQ]) with lo <= mid < hi: the
+    attention of each query over its keys [mid, hi) alone is also written, to o_loc and (log2) lse_loc.
+    """
     T, HQ, D = q.shape
     Tk, HK = k.shape[:2]
     G = HQ // HK
@@ -346,17 +409,23 @@ def range_attention_fwd(q, k, v, lo, hi, scale: float, kind: str = "window"):
     cfg = _tiles(D, q.device, kind)
     BM, BN, opts = cfg["fwd"]
     grid = (triton.cdiv(T * G, BM), HK)
-    range_attn_fwd_kernel[grid](q, k, v, o, lse, lo, hi, scale * LOG2E, T, Tk,
-                                HQ=HQ, HK=HK, G=G, D=D, BD=cfg["BD"], BM=BM, BN=BN, **opts)
+    mid, o_loc, lse_loc = (hi, o, lse) if local is None else local
+    range_attn_fwd_kernel[grid](q, k, v, o, lse, lo, hi, mid, o_loc, lse_loc, scale * LOG2E, T, Tk,
+                                HQ=HQ, HK=HK, G=G, D=D, BD=cfg["BD"], BM=BM, BN=BN, LOCAL=local is not None, **opts)
     return o, lse
 
 
 def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: float, kind: str = "window", *,
-                        delta: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None):
+                        delta: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None,
+                        local: Optional[tuple] = None):
     """Gradients (dq, dk, dv) of range attention; dlse (or None) is the gradient of lse.
 
     ``delta`` ([T, HQ] fp32, rowsum(o * do) - dlse) may be given, then ``o`` and ``dlse`` are not
     read; a given ``dq`` holds other branches' dq, which this adds to (flash_msa/fused.py).
+    ``local`` = (mid [T], qmid [Tk], lse2 [T, HQ] log2, delta2 [T, HQ]): keys [mid[t], hi[t]) of
+    query t are also in a second softmax of the same scores, with lse2 and delta2 (its forward
+    is range_attention_fwd's o_loc part); its gradients are added. Key row s is in it for the
+    queries [qlo[s], qmid[s]) (exactly). Window kind only (rows upwards in dk/dv).
     """
     T, HQ, D = q.shape
     Tk, HK = k.shape[:2]
@@ -375,15 +444,18 @@ def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: floa
         dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    mid, qmid, lse2, delta2 = (hi, qhi, lse, delta) if local is None else local
     BM, BN, opts = cfg["dq"]
     range_attn_bwd_dq_kernel[(triton.cdiv(T * G, BM), HK)](
-        q, k, v, do, lse, delta, dq, lo, hi, scale * LOG2E, scale, T, Tk,
-        HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, ACC=acc, **opts)
+        q, k, v, do, lse, delta, dq, lo, hi, mid, lse2, delta2, scale * LOG2E, scale, T, Tk,
+        HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, ACC=acc, LOCAL=local is not None, **opts)
     if Tk > 0:
         BM, BN, opts = cfg["dkdv"]
+        if local is not None and opts["DESC"]:
+            raise ValueError("range_attention_bwd: local needs the dk/dv rows upwards (DESC False)")
         range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN) * HK,)](
-            q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, scale * LOG2E, scale, T, Tk,
-            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, **opts)
+            q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, mid, qmid, lse2, delta2, scale * LOG2E, scale, T, Tk,
+            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, LOCAL=local is not None, **opts)
     return dq, dk, dv
 
 
@@ -428,6 +500,19 @@ def window_ranges(cu_seqlens: torch.Tensor, T: int, window: int):
     lo = torch.maximum(start, t - window + 1)
     qhi = torch.minimum(t + window, end)
     return lo.to(torch.int32), (t + 1).to(torch.int32), t.to(torch.int32), qhi.to(torch.int32)
+
+
+def local_ranges(cu_seqlens: torch.Tensor, T: int, block: int):
+    """(mid int32 [T], qmid int32 [T]) for the last two selection blocks of each query: query t
+    of a sequence starting at s0, in its block b = (t - s0) // block, has keys [mid[t], t] in
+    blocks b - 1 and b (b alone when b = 0); key row s is in them for the queries
+    [s, qmid[s]), qmid[s] = the start of block (s - s0) // block + 2, or the sequence's end."""
+    start, end = token_seq_bounds(cu_seqlens, T)
+    t = torch.arange(T, device=cu_seqlens.device)
+    own = (t - start) // block
+    mid = start + (own - 1).clamp_min(0) * block
+    qmid = torch.minimum(start + (own + 2) * block, end)
+    return mid.to(torch.int32), qmid.to(torch.int32)
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -224,18 +224,6 @@ def bench_model(name, T, args, device, row):
             row["local_toggled_peak_mib"] = peak_mib(fwd_bwd)
         finally:
             fused_mod.LOCAL_IN_WINDOW = on
-        if row["local_in_window"]:
-            # the window kernels' local part with the other loop form (window.LOCAL_SPLIT)
-            from flash_msa.window import window as window_mod
-            split = window_mod.LOCAL_SPLIT
-            row["local_split"] = split
-            window_mod.LOCAL_SPLIT = not split
-            try:
-                with torch.no_grad():
-                    row["local_split_toggled_fwd_ms"] = timer(fwd, T, args)
-                row["local_split_toggled_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
-            finally:
-                window_mod.LOCAL_SPLIT = split
         save(args)
 
     if args.compare_cmp:
@@ -399,17 +387,6 @@ def write_markdown(res, path):
             lines.append("| " + " | ".join([r["model"], str(r["T"]), "on" if on else "off", _f(a[0]), _f(a[1]),
                                              _f(b[0]), _f(b[1]), _f(a[2], 0), _f(b[2], 0),
                                              f"{r.get('local_toggle_max_rel_rms', float('nan')):.1e}"]) + " |")
-        split_rows = [r for r in local_rows if r.get("local_split_toggled_fwd_bwd_ms")]
-        if split_rows:
-            lines += ["", "The window kernels' local part in three loop parts (split: unmasked tiles inside) or all "
-                      "masked (window.LOCAL_SPLIT; same run):", "",
-                      "| model | T | shipped | split fwd | split f+b | masked fwd | masked f+b |", "|---|---|---|---|---|---|---|"]
-            for r in split_rows:
-                mine = (r.get("nsa_fwd_ms"), r.get("nsa_fwd_bwd_ms"))
-                theirs = (r.get("local_split_toggled_fwd_ms"), r.get("local_split_toggled_fwd_bwd_ms"))
-                a, b = (mine, theirs) if r.get("local_split") else (theirs, mine)
-                lines.append("| " + " | ".join([r["model"], str(r["T"]), "split" if r.get("local_split") else "masked",
-                                                 _f(a[0]), _f(a[1]), _f(b[0]), _f(b[1])]) + " |")
     cmp_rows = [r for r in res["rows"] if r.get("triton_cmp_fwd_bwd_ms") or r.get("cudnn_cmp_fwd_bwd_ms")]
     if cmp_rows:
         lines += ["", "Compressed attention on the Triton range kernels against cuDNN's dense grouped form "

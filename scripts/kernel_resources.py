@@ -162,7 +162,7 @@ def cases():
                 for local in ((False, True) if kind == "window" else (False,)):
                     out.append((f"range_{kern} {kind}{' local' if local else ''} G={G}", fn,
                                 {n: types[n] for n in names},
-                                dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BM=bm, BN=bn, LOCAL=local, SPLIT=w.LOCAL_SPLIT, **const),
+                                dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BM=bm, BN=bn, LOCAL=local, **const),
                                 ("T", "Tk"),
                                 opts))
     return out

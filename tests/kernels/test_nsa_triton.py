@@ -44,16 +44,13 @@ def test_nsa_triton_matches_reference(case, device):
     _check_against_reference(case, device)
 
 
-@pytest.mark.parametrize("case,split", [("local-G5", True), ("local-G3-D64", True), ("local-G5", False)])
-def test_nsa_triton_local_blocks_in_window(case, split, device, monkeypatch, small_range_tiles):
+@pytest.mark.parametrize("case", ["local-G5", "local-G3-D64"])
+def test_nsa_triton_local_blocks_in_window(case, device, monkeypatch, small_range_tiles):
     """fmsa's local blocks computed by the window kernels (flash_msa/fused.py), with 16x16
-    window tiles so every loop part runs (their local part split like the rest, or all masked:
-    window.LOCAL_SPLIT), gates of 0 and 1, and a tiny partial budget (several fmsa partitions,
-    each merging into the window's partial)."""
+    window tiles so every loop part runs, gates of 0 and 1, and a tiny partial budget (several
+    fmsa partitions, each merging into the window's partial)."""
     from flash_msa import fused
     from flash_msa.selection import fmsa
-    from flash_msa.window import window
-    monkeypatch.setattr(window, "LOCAL_SPLIT", split)
     monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 40 << 10)
     monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
     calls = []

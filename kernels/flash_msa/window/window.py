@@ -110,7 +110,7 @@ def _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
 def range_attn_fwd_kernel(
     q, k, v, o, lse, lo, hi, mid, o_loc, lse_loc, scale2, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, LOCAL: tl.constexpr, SPLIT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, LOCAL: tl.constexpr,
 ):
     # LOCAL: keys [mid, hi) first, whose partial output and lse (log2) go to o_loc / lse_loc
     # (selected attention's last blocks, flash_msa/fused.py), then [lo, mid) on the same state
@@ -127,15 +127,9 @@ def range_attn_fwd_kernel(
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
-    if LOCAL:
-        b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(mid, hi, o_t, m_m, BN)
-        if not SPLIT:  # the few tiles of two blocks all masked (LOCAL_SPLIT)
-            a, b = n_start, n_start
-        for n0 in range(n_start, a, BN):
-            b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
-        for n0 in range(a, b, BN):
-            b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, False)
-        for n0 in range(b, n_end, BN):
+    if LOCAL:  # a few tiles (two blocks), all masked: one loop here, not three (see the note above TILE_OVERRIDE)
+        b_lo, b_hi, n_start, _, _, n_end = _query_tile_keys(mid, hi, o_t, m_m, BN)
+        for n0 in range(n_start, n_end, BN):
             b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
         m_any = b_l > 0
         b_ls = tl.where(m_any, b_l, 1.)
@@ -199,7 +193,7 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_lse2, b_delta2, b_dq, k, v, b_lo, b_hi
 def range_attn_bwd_dq_kernel(
     q, k, v, do, lse, delta, dq, lo, hi, mid, lse2, delta2, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr, LOCAL: tl.constexpr, SPLIT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr, LOCAL: tl.constexpr,
 ):
     # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32.
     # LOCAL: keys [mid, hi) are also in a second softmax, lse2 (log2) and delta2 (the forward's
@@ -224,16 +218,8 @@ def range_attn_bwd_dq_kernel(
     if LOCAL:
         b_lse2 = tl.load(lse2 + o_t * HQ + o_hq, mask=m_m, other=0.)  # log2; +inf (a zero gate) gives p2 = 0
         b_delta2 = tl.load(delta2 + o_t * HQ + o_hq, mask=m_m, other=0.)
-        b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(mid, hi, o_t, m_m, BN)
-        if not SPLIT:
-            a, b = n_start, n_start
-        for n0 in range(n_start, a, BN):
-            b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_lse2, b_delta2, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
-                            HK, D, BD, BN, True, True)
-        for n0 in range(a, b, BN):
-            b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_lse2, b_delta2, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
-                            HK, D, BD, BN, False, True)
-        for n0 in range(b, n_end, BN):
+        b_lo, b_hi, n_start, _, _, n_end = _query_tile_keys(mid, hi, o_t, m_m, BN)
+        for n0 in range(n_start, n_end, BN):  # a few tiles, all masked (as in the forward)
             b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_lse2, b_delta2, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
                             HK, D, BD, BN, True, True)
         b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, mid, o_t, m_m, BN)
@@ -258,8 +244,8 @@ def range_attn_bwd_dq_kernel(
 def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
                HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
                MASK: tl.constexpr, TWO: tl.constexpr):
-    # TWO: keys [mid, hi) of a row are also in a second softmax (lse2 in log2, delta2), see
-    # range_attn_bwd_dq_kernel; without MASK every (row, key) pair of the tile is in both
+    # TWO (with MASK): keys [mid, hi) of a row are also in a second softmax (lse2 in log2, delta2),
+    # see range_attn_bwd_dq_kernel
     o_m = m0 + tl.arange(0, BM)
     o_t = (o_m // G).to(tl.int64)
     o_hq = i_h * G + o_m % G
@@ -283,25 +269,18 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta
     else:
         b_p = tl.exp2(b_s - b_lse[:, None])
     if TWO:
+        b_mid = tl.load(mid + o_t, mask=m_m, other=0)
         b_lse2 = tl.load(lse2 + o_t * HQ + o_hq, mask=m_m, other=0.)
         b_delta2 = tl.load(delta2 + o_t * HQ + o_hq, mask=m_m, other=0.)
-        if MASK:
-            b_mid = tl.load(mid + o_t, mask=m_m, other=0)
-            m_s2 = m_m[:, None] & (o_n[None, :] >= b_mid[:, None]) & (o_n[None, :] < b_hi[:, None])
-            b_p2 = tl.where(m_s2, tl.exp2(b_s - tl.where(m_m, b_lse2, 0.)[:, None]), 0.)
-        else:
-            b_p2 = tl.exp2(b_s - b_lse2[:, None])
-        # ds = p (dp - delta) + p2 (dp - delta2) = (p + p2) dp - (p delta + p2 delta2): two [BM, BN]
-        # tiles live across the matmuls instead of three (the 255-register kernel spills less)
-        b_pd = b_p * b_delta[:, None] + b_p2 * b_delta2[:, None]
-        b_p += b_p2
-        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
-        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
-        b_ds = b_p * b_dp - b_pd
+        m_s2 = m_m[:, None] & (o_n[None, :] >= b_mid[:, None]) & (o_n[None, :] < b_hi[:, None])
+        b_p2 = tl.where(m_s2, tl.exp2(b_s - tl.where(m_m, b_lse2, 0.)[:, None]), 0.)
+        b_dv += tl.dot(tl.trans((b_p + b_p2).to(b_do.dtype)), b_do)
     else:
         b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
-        b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
-        b_ds = b_p * (b_dp - b_delta[:, None])
+    b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    if TWO:
+        b_ds += b_p2 * (b_dp - b_delta2[:, None])
     b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
     return b_dk, b_dv
 
@@ -310,7 +289,7 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta
 def range_attn_bwd_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, mid, qmid, lse2, delta2, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, LOCAL: tl.constexpr, SPLIT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, LOCAL: tl.constexpr,
 ):
     # one program per (key tile, KV head), a 1-D grid ordered tile-major (the KV heads of a tile
     # are neighbours), see DKDV_DESC. LOCAL (rows upwards only): key row s is also in the second
@@ -342,22 +321,10 @@ def range_attn_bwd_dkdv_kernel(
     b_dv = tl.zeros([BN, BD], dtype=tl.float32)
     if LOCAL:
         # rows up to the last query whose second softmax holds a key row of the tile, with both
-        # softmaxes, then the rest as below. Unmasked there: the rows that see every key of the
-        # tile in both (up to the first query past some key's second-softmax range).
-        b_qmid = tl.load(qmid + o_n, mask=m_n, other=0)
-        r_loc = tl.minimum(tl.maximum(tl.max(tl.where(m_nonempty, b_qmid, 0), 0) * G, r_start), r_end)
-        t2_hi = tl.minimum(tl.where(m_in, t_in_hi, 0), tl.min(tl.where(m_n, b_qmid, _BIG), 0))
-        a2, b2 = _split_range(r_start, r_loc, tl.where(m_in, t_in_lo, 0) * G, t2_hi * G, BM)
-        if not SPLIT:
-            a2, b2 = r_start, r_start
-        # rows past r_loc (or a2) are masked in these loops: the next loop takes them
-        for m0 in range(r_start, a2, BM):
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0,
-                                    a2, i_h, scale2, HQ, G, D, BD, BM, True, True)
-        for m0 in range(a2, b2, BM):
-            b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0,
-                                    b2, i_h, scale2, HQ, G, D, BD, BM, False, True)
-        for m0 in range(b2, r_loc, BM):
+        # softmaxes (masked), then the rest as below
+        r_loc = tl.minimum(tl.maximum(tl.max(tl.where(m_nonempty, tl.load(qmid + o_n, mask=m_n, other=0), 0), 0) * G,
+                                      r_start), r_end)
+        for m0 in range(r_start, r_loc, BM):  # rows past r_loc are masked: the loops below take them
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0,
                                     r_loc, i_h, scale2, HQ, G, D, BD, BM, True, True)
         r_start = r_loc
@@ -401,10 +368,11 @@ def range_attn_bwd_dkdv_kernel(
 # 5.41 -> 5.10 ms at 64K, 22.06 -> 20.75 at 256K.
 DKDV_DESC = {"cmp": True, "window": False}
 
-# The local part of the window kernels (LOCAL, flash_msa/fused.py) in three loop parts like the
-# rest (True), or all its tiles masked (False): one loop body per kernel less
-# (scripts/bench_nsa.py --compare-local times both).
-LOCAL_SPLIT = True
+# The local part of the window kernels (LOCAL, flash_msa/fused.py) runs its few tiles all masked,
+# in one loop per kernel. Three loop parts like the rest (unmasked tiles inside; with dk/dv's ds as
+# (p + p2) dp - (p delta + p2 delta2)) measured the same whole op at 64K: 54.7 against 54.5 ms
+# (Llama3-8B), 68.1 against 68.1 (Qwen3-14B), the window dq kernel 2.80 against 2.67 ms
+# (commit e8488f2: benchmarks/results/nsa_local_h200_e8488f2.md, profile_nsa_64k_local_h200_e8488f2.log).
 
 # Launch tiles per kernel: {"fwd" | "dq" | "dkdv": (BM, BN, launch options)}. Entries here
 # replace the defaults of _tiles; tests use them to force small tiles and scripts/tune_nsa.py
@@ -449,8 +417,7 @@ def range_attention_fwd(q, k, v, lo, hi, scale: float, kind: str = "window", loc
     grid = (triton.cdiv(T * G, BM), HK)
     mid, o_loc, lse_loc = (hi, o, lse) if local is None else local
     range_attn_fwd_kernel[grid](q, k, v, o, lse, lo, hi, mid, o_loc, lse_loc, scale * LOG2E, T, Tk,
-                                HQ=HQ, HK=HK, G=G, D=D, BD=cfg["BD"], BM=BM, BN=BN, LOCAL=local is not None,
-                                SPLIT=LOCAL_SPLIT, **opts)
+                                HQ=HQ, HK=HK, G=G, D=D, BD=cfg["BD"], BM=BM, BN=BN, LOCAL=local is not None, **opts)
     return o, lse
 
 
@@ -487,14 +454,14 @@ def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: floa
     BM, BN, opts = cfg["dq"]
     range_attn_bwd_dq_kernel[(triton.cdiv(T * G, BM), HK)](
         q, k, v, do, lse, delta, dq, lo, hi, mid, lse2, delta2, scale * LOG2E, scale, T, Tk,
-        HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, ACC=acc, LOCAL=local is not None, SPLIT=LOCAL_SPLIT, **opts)
+        HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, ACC=acc, LOCAL=local is not None, **opts)
     if Tk > 0:
         BM, BN, opts = cfg["dkdv"]
         if local is not None and opts["DESC"]:
             raise ValueError("range_attention_bwd: local needs the dk/dv rows upwards (DESC False)")
         range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN) * HK,)](
             q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, mid, qmid, lse2, delta2, scale * LOG2E, scale, T, Tk,
-            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, LOCAL=local is not None, SPLIT=LOCAL_SPLIT, **opts)
+            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, LOCAL=local is not None, **opts)
     return dq, dk, dv
 
 

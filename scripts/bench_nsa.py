@@ -184,26 +184,26 @@ def bench_model(name, T, args, device, row):
     def fwd_bwd():
         return torch.autograd.grad(fwd(), leaves, do)
 
+    def time_op(prefix):
+        """Forward, forward + backward and peak memory of the op as now set up, into row[prefix_*]."""
+        with torch.no_grad():
+            row[f"{prefix}_fwd_ms"] = timer(fwd, T, args)
+        row[f"{prefix}_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
+        row[f"{prefix}_peak_mib"] = peak_mib(fwd_bwd)
+        save(args)
+
     o = fwd()
     row["nsa_finite"] = bool(torch.isfinite(o).all().item())
     del o
-    with torch.no_grad():
-        row["nsa_fwd_ms"] = timer(fwd, T, args)
-    row["nsa_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
-    row["nsa_peak_mib"] = peak_mib(fwd_bwd)
-    save(args)
+    time_op("nsa")
     if args.compare_composed:
         # the same op through one autograd Function per branch and the gates (flash_msa/fused.py
         # replaces them), timed side by side in this run
         fused, TB.fused = TB.fused, None
         try:
-            with torch.no_grad():
-                row["composed_fwd_ms"] = timer(fwd, T, args)
-            row["composed_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
-            row["composed_peak_mib"] = peak_mib(fwd_bwd)
+            time_op("composed")
         finally:
             TB.fused = fused
-        save(args)
 
     if args.compare_local:
         # fmsa's local blocks in the window kernel (flash_msa/fused.py) off, side by side; the
@@ -218,13 +218,9 @@ def bench_model(name, T, args, device, row):
             other = [fwd().detach(), *fwd_bwd()]
             row["local_toggle_max_rel_rms"] = max(rel_rms(a, b) for a, b in zip(other, ref))
             del ref, other
-            with torch.no_grad():
-                row["local_toggled_fwd_ms"] = timer(fwd, T, args)
-            row["local_toggled_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
-            row["local_toggled_peak_mib"] = peak_mib(fwd_bwd)
+            time_op("local_toggled")
         finally:
             fused_mod.LOCAL_IN_WINDOW = on
-        save(args)
 
     if args.compare_cmp:
         # the other compressed-attention backend (Triton range kernels / cuDNN), side by side
@@ -232,13 +228,9 @@ def bench_model(name, T, args, device, row):
         if other == "triton" or dense_cmp.cudnn_supported(q[0]):
             backend, dense_cmp.BACKEND = dense_cmp.BACKEND, other
             try:
-                with torch.no_grad():
-                    row[f"{other}_cmp_fwd_ms"] = timer(fwd, T, args)
-                row[f"{other}_cmp_fwd_bwd_ms"] = timer(fwd_bwd, T, args)
-                row[f"{other}_cmp_peak_mib"] = peak_mib(fwd_bwd)
+                time_op(f"{other}_cmp")
             finally:
                 dense_cmp.BACKEND = backend
-            save(args)
 
     if T <= args.breakdown_max_t:
         qf, kf, vf = q[0], k[0], v[0]

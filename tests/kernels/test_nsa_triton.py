@@ -19,7 +19,7 @@ CASES = {  # (cu_seqlens, HQ, HK, D, sizes)
     "batch2-G4-D64": ([0, 150, 300], 8, 2, 64, dict(cmp_block=32, cmp_stride=16, slc_block=32, slc_topk=3, window=40)),
     # a window of at least two selection blocks: fmsa's local blocks run in the window kernel
     # (flash_msa/fused.py, local_in_window); sequences shorter than a block, of one and of many blocks
-    "local-G5": ([0, 20, 100, 230, 250], 10, 2, 16, dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=4, window=40)),
+    "local-G5": ([0, 10, 30, 110, 240, 250], 10, 2, 16, dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=4, window=40)),
     "local-G3-D64": ([0, 150, 300], 6, 2, 64, dict(cmp_block=32, cmp_stride=16, slc_block=32, slc_topk=5, window=64)),
 }
 

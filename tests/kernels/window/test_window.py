@@ -57,3 +57,23 @@ def test_window_backward_is_deterministic(device):
 def test_window_interior_tiles(group, device, small_range_tiles):
     HQ, HK = GROUPS[group]
     _check([0, 7, 90, 160], HQ, HK, 16, 40, device)
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_local_ranges_brute_force(block, device):
+    """local_ranges (fmsa's two local blocks inside the window, flash_msa/fused.py) against the
+    definition: key s is in query t's local blocks iff same sequence, s <= t and the block of s is
+    t's own block or the one before; mid[t] is the first such key, qmid[s] one past the last such query."""
+    from flash_msa.window.window import local_ranges
+    lengths = [1, block - 1, block, block + 1, 3 * block + 5, 7]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    T = int(cu[-1])
+    mid, qmid = (x.cpu().tolist() for x in local_ranges(cu, T, block))
+    seq = [i for i, n in enumerate(lengths) for _ in range(n)]
+    start = [int(cu[i]) for i in seq]
+    blk = [(t - start[t]) // block for t in range(T)]
+    sees = [[seq[s] == seq[t] and s <= t and blk[t] - 1 <= blk[s] for s in range(T)] for t in range(T)]
+    assert mid == [min(s for s in range(T) if sees[t][s]) for t in range(T)]
+    assert qmid == [max(t for t in range(T) if sees[t][s]) + 1 for s in range(T)]
+    # and exactly: query t is in key s's range [s, qmid[s]) iff it sees s
+    assert all((s <= t < qmid[s]) == sees[t][s] for t in range(T) for s in range(T))

@@ -315,7 +315,6 @@ def range_attn_bwd_dkdv_kernel(
     t_in_lo = tl.max(tl.where(m_n, b_qlo, _BIG), 0)
     t_in_hi = tl.min(tl.where(m_n, b_qhi, 0), 0)
     m_in = t_in_lo < t_in_hi
-    a, b = _split_range(r_start, r_end, tl.where(m_in, t_in_lo, 0) * G, tl.where(m_in, t_in_hi, 0) * G, BM)
 
     b_dk = tl.zeros([BN, BD], dtype=tl.float32)
     b_dv = tl.zeros([BN, BD], dtype=tl.float32)
@@ -328,7 +327,7 @@ def range_attn_bwd_dkdv_kernel(
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0,
                                     r_loc, i_h, scale2, HQ, G, D, BD, BM, True, True)
         r_start = r_loc
-        a, b = _split_range(r_start, r_end, tl.where(m_in, t_in_lo, 0) * G, tl.where(m_in, t_in_hi, 0) * G, BM)
+    a, b = _split_range(r_start, r_end, tl.where(m_in, t_in_lo, 0) * G, tl.where(m_in, t_in_hi, 0) * G, BM)
     if DESC:
         # rows from the last down: every program of a sequence starts at its end and walks down
         # at the same pace, so programs running together read the same q/do rows and share them

@@ -162,6 +162,34 @@ def check(HQ, HK, D, T, device):
     return res
 
 
+def parse_globals(text):
+    """"mod.NAME=v,mod.NAME2=v;..." -> variants, each a list of (module path, name, value); values
+    are Python literals (0/1, numbers, True/False)."""
+    import ast
+    out = []
+    for var in filter(None, text.split(";")):
+        spec = []
+        for item in filter(None, var.split(",")):
+            path, val = item.split("=")
+            mod, name = path.rsplit(".", 1)
+            spec.append((mod, name, ast.literal_eval(val)))
+        out.append(spec)
+    return out
+
+
+def set_globals(spec):
+    """Set module globals; returns the spec that restores the old values."""
+    import importlib
+    old = []
+    for mod, name, val in spec:
+        m = importlib.import_module(mod)
+        if not hasattr(m, name):
+            raise AttributeError(f"{mod} has no global {name}")
+        old.append((mod, name, getattr(m, name)))
+        setattr(m, name, val)
+    return old
+
+
 def bench_model(name, T, args, device, row):
     import torch
     import torch.nn.functional as F
@@ -221,6 +249,24 @@ def bench_model(name, T, args, device, row):
             time_op("local_toggled")
         finally:
             fused_mod.LOCAL_IN_WINDOW = on
+
+    if args.compare_globals:
+        # launch-setting / kernel-order variants (module globals), each timed side by side with the
+        # shipped settings, whose outputs and gradients it must match; the shipped settings are
+        # timed once more after the variants (prefix "shipped_again") to show the order's effect
+        ref = [fwd().detach(), *fwd_bwd()]
+        for i, spec in enumerate(parse_globals(args.compare_globals)):
+            old = set_globals(spec)
+            try:
+                other = [fwd().detach(), *fwd_bwd()]
+                row[f"var{i}_spec"] = " ".join(f"{m}.{n}={v}" for m, n, v in spec)
+                row[f"var{i}_max_rel_rms"] = max(rel_rms(a, b) for a, b in zip(other, ref))
+                del other
+                time_op(f"var{i}")
+            finally:
+                set_globals(old)
+        del ref
+        time_op("shipped_again")
 
     if args.compare_cmp:
         # the other compressed-attention backend (Triton range kernels / cuDNN), side by side
@@ -379,6 +425,23 @@ def write_markdown(res, path):
             lines.append("| " + " | ".join([r["model"], str(r["T"]), "on" if on else "off", _f(a[0]), _f(a[1]),
                                              _f(b[0]), _f(b[1]), _f(a[2], 0), _f(b[2], 0),
                                              f"{r.get('local_toggle_max_rel_rms', float('nan')):.1e}"]) + " |")
+    var_rows = [r for r in res["rows"] if r.get("var0_fwd_bwd_ms")]
+    if var_rows:
+        lines += ["", "Variants of module globals against the shipped settings (`--compare-globals`, same run: the "
+                  "shipped settings first, then each variant, then the shipped settings again); max relative RMS of "
+                  "the variant's output and gradients against the shipped ones:", "",
+                  "| model | T | settings | fwd | f+b | peak | max rel RMS |", "|---|---|---|---|---|---|---|"]
+        for r in var_rows:
+            runs = [("shipped", "nsa", None)]
+            i = 0
+            while r.get(f"var{i}_fwd_bwd_ms"):
+                runs.append((r[f"var{i}_spec"], f"var{i}", r.get(f"var{i}_max_rel_rms")))
+                i += 1
+            runs.append(("shipped, again", "shipped_again", None))
+            for label, pre, err in runs:
+                lines.append("| " + " | ".join([r["model"], str(r["T"]), f"`{label}`", _f(r.get(f"{pre}_fwd_ms")),
+                                                 _f(r.get(f"{pre}_fwd_bwd_ms")), _f(r.get(f"{pre}_peak_mib"), 0),
+                                                 "-" if err is None else f"{err:.1e}"]) + " |")
     cmp_rows = [r for r in res["rows"] if r.get("triton_cmp_fwd_bwd_ms") or r.get("cudnn_cmp_fwd_bwd_ms")]
     if cmp_rows:
         lines += ["", "Compressed attention on the Triton range kernels against cuDNN's dense grouped form "
@@ -461,6 +524,9 @@ def main():
                    help="also time the whole op with fmsa's local blocks in the window kernel toggled (flash_msa/fused.py)")
     p.add_argument("--compare-cmp", action="store_true",
                    help="also time the whole op with compressed attention on the other backend (Triton / cuDNN)")
+    p.add_argument("--compare-globals", default="",
+                   help="variants of module globals timed against the shipped settings in the same run, "
+                        "e.g. 'flash_msa.selection.fmsa.BWD_ACC_LAST=False;flash_msa.window.window.DKDV_ACC_LAST=False'")
     p.add_argument("--dense-from", default=None,
                    help="take the dense SDPA rows from an earlier nsa_h200.json (same machine kind) instead of re-timing them")
     args = p.parse_args()

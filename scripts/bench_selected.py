@@ -212,7 +212,7 @@ def variants(T, G, D, S, bs, device):
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
-             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG")
+             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG", "BWD_ACC_LAST")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -230,7 +230,10 @@ def variants(T, G, D, S, bs, device):
     # The reductions on a second CUDA stream beside the next partition's main kernel, with double
     # partial buffers: about 1% faster for one more partition buffer of memory (selected_variants9_h200.log).
     fwd_variants = [{}]
-    bwd_variants = [{}, {"BWD_BM": 64}, {"BWD_BM": 64, "SEG_TILES": 128}, {"BWD_BM": 64, "BWD_MAXNREG": 128}]
+    # 64-row backward tiles (also with 128-tile segments, or a 128-register cap) lost: selected_variants7_h200.log.
+    # BWD_ACC_LAST: the dk/dv kernel's two accumulating matmuls after the dq store (1, shipped), before it
+    # (2), or in the order of the math (0); the shipped settings are timed again last.
+    bwd_variants = [{}, {"BWD_ACC_LAST": 0}, {"BWD_ACC_LAST": 2}, {}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

@@ -526,7 +526,8 @@ def main():
                    help="also time the whole op with compressed attention on the other backend (Triton / cuDNN)")
     p.add_argument("--compare-globals", default="",
                    help="variants of module globals timed against the shipped settings in the same run, "
-                        "e.g. 'flash_msa.selection.fmsa.BWD_ACC_LAST=False;flash_msa.window.window.DKDV_ACC_LAST=False'")
+                        "e.g. 'flash_msa.selection.fmsa.SEG_TILES=32;flash_msa.selection.fmsa.BWD_STAGES=2,"
+                        "flash_msa.selection.fmsa.SEG_TILES=32'")
     p.add_argument("--dense-from", default=None,
                    help="take the dense SDPA rows from an earlier nsa_h200.json (same machine kind) instead of re-timing them")
     args = p.parse_args()

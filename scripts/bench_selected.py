@@ -212,7 +212,8 @@ def variants(T, G, D, S, bs, device):
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
-             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG", "BWD_ACC_LAST")
+             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG",
+             "PARTIAL_BUDGET_PER_TOKEN")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -229,11 +230,17 @@ def variants(T, G, D, S, bs, device):
     # faster (selected_variants8_h200.log; not bound by instructions).
     # The reductions on a second CUDA stream beside the next partition's main kernel, with double
     # partial buffers: about 1% faster for one more partition buffer of memory (selected_variants9_h200.log).
-    fwd_variants = [{}]
     # 64-row backward tiles (also with 128-tile segments, or a 128-register cap) lost: selected_variants7_h200.log.
-    # BWD_ACC_LAST: the dk/dv kernel's two accumulating matmuls after the dq store (1, shipped), before it
-    # (2), or in the order of the math (0); the shipped settings are timed again last.
-    bwd_variants = [{}, {"BWD_ACC_LAST": 0}, {"BWD_ACC_LAST": 2}, {}]
+    # The dk/dv loop's accumulating matmuls in the order of the math, or before the dq store, against
+    # last (shipped): selected_variants10_h200.log (commit a8272cc's BWD_ACC_LAST).
+    # Now: larger partition budgets (2x: 32K-token chunks at 64K; 4x: one chunk per KV head), and
+    # 64-row backward tiles on 4 warps (two programs per SM, with spills). The shipped settings are
+    # timed again last.
+    budgets = [{"PARTIAL_BUDGET": 768 << 20, "PARTIAL_BUDGET_PER_TOKEN": 12 << 10},
+               {"PARTIAL_BUDGET": 1536 << 20, "PARTIAL_BUDGET_PER_TOKEN": 24 << 10}]
+    fwd_variants = [{}, *budgets, {}]
+    bwd_variants = [{}, *budgets, {"BWD_BM": 64, "BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4, "SEG_TILES": 128},
+                    {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 2}, {}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

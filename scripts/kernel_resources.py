@@ -119,7 +119,7 @@ def cases():
         BM = fmsa._bwd_tile_rows(128, 64)
         out.append((f"fmsa_bwd_dkdv G={G}", fmsa.fmsa_bwd_dkdv_kernel, sig,
                     dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=BM, SEG=fmsa.SEG_TILES * BM, WRITE_DQ=True,
-                         HKG=HKG, ACC_LAST=fmsa.BWD_ACC_LAST), ("c0",), dict(num_warps=fmsa.BWD_WARPS, num_stages=fmsa.BWD_STAGES)))
+                         HKG=HKG), ("c0",), dict(num_warps=fmsa.BWD_WARPS, num_stages=fmsa.BWD_STAGES)))
         sig = dict(q=B, k=B, v=B, o=B, lse=F, block_indices=I, tok_start=I, scale2="fp32")
         nsa_opts = dict(num_warps=4, num_stages=nsa._stages(64, 128))
         out.append((f"nsa_fwd G={G}", nsa.nsa_fwd_kernel, sig,
@@ -155,8 +155,6 @@ def cases():
                              T="i32", Tk="i32", **extra)
                 bm, bn, opts = tiles[kern]
                 const = {n: v for n, v in opts.items() if n.isupper()}  # dk/dv's row order
-                if kern == "dkdv":
-                    const["ACC_LAST"] = w.DKDV_ACC_LAST
                 if kern == "dq":  # the whole op (flash_msa/fused.py): the window adds to compressed attention's dq
                     const["ACC"] = kind == "window"
                 opts = {n: v for n, v in opts.items() if not n.isupper()}

@@ -204,7 +204,6 @@ def fmsa_bwd_dkdv_kernel(
     k_lo, c0, hk0, NB, scale2, scale,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, SEG: tl.constexpr, WRITE_DQ: tl.constexpr, HKG: tl.constexpr,
-    ACC_LAST: tl.constexpr,
 ):
     # one program per segment of at most SEG rows of one key, so that a block selected by
     # every query (block 0) is spread over many programs instead of serialising the launch.
@@ -241,25 +240,21 @@ def fmsa_bwd_dkdv_kernel(
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
         m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
         b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
-        if ACC_LAST == 0:
-            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
         b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BS]
         b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_q.dtype)
-        if ACC_LAST == 0:
-            b_dk += tl.dot(tl.trans(b_ds), b_q)
         if WRITE_DQ:
-            b_dq = (tl.dot(b_ds, b_k) * scale).to(dqp.dtype.element_ty)  # [BM, D]
-        if ACC_LAST == 2:
-            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
-            b_dk += tl.dot(tl.trans(b_ds), b_q)
-        if WRITE_DQ:
+            b_dq = tl.dot(b_ds, b_k) * scale  # [BM, D]
             o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)
-            tl.store(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None])
-        if ACC_LAST == 1:
-            # the dk/dv matmuls last: Triton waits for a matmul right after it unless its result is
-            # loop-carried, so these two stay in flight across the loop's next loads
-            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
-            b_dk += tl.dot(tl.trans(b_ds), b_q)
+            tl.store(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty),
+                     mask=m_r[:, None])
+        # The two accumulating matmuls last. Triton waits for a matmul right after issuing it unless
+        # its result is loop-carried, as these are: here they run on across the dq store and the next
+        # row tile's loads, where in the order of the math (dv before dp, dk before dq) the waits for
+        # dp and dq also waited for them. Forward + backward at 64K: 24.07 / 24.05 against 24.15 ms at
+        # G=4, 29.34 / 29.31 against 29.57 at G=5; both before the dq store (more spills): 24.54 /
+        # 30.00 (benchmarks/results/selected_variants10_h200.log, commit a8272cc's BWD_ACC_LAST).
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        b_dk += tl.dot(tl.trans(b_ds), b_q)
     b_dk = b_dk * scale
     if n_rows <= SEG:
         # the only program of this key in this partition: add to the fp32 accumulators in chunk order
@@ -360,20 +355,14 @@ FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
 # (selected_variants_h200.log, fourth run); with them, uncapped 10.00 against 9.35 ms at G=4
 # and 11.87 against 11.37 at G=5 (selected_variants4_h200.log).
 FWD_MAXNREG = 128
-# BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids, lse and delta of the
-# next row tile load ahead; shared memory +512 B, the gathered q/do rows are not staged): forward +
+# BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
+# load ahead, so the next tile's q/do gather, double-buffered, needs no second round trip): forward +
 # backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5
 # (benchmarks/results/selected_variants6_h200.log; 1 stage: 25.90 / 33.31). It compiles for every
 # block size and head dim with the same registers and spills as 2 stages (kernel_resources.py).
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 3
 # Register cap of the dk/dv kernel (0: none; the compiler then takes 255 at every tile size measured)
 BWD_MAXNREG = 0
-# BWD_ACC_LAST: where the dk/dv loop issues its two accumulating matmuls (dv += p^T do, dk += ds^T q).
-# Triton waits for a matmul right after issuing it unless its result is loop-carried, so only these
-# two can run on while the loop goes on. 0: in the order of the math (dv before dp, dk before dq), so
-# the waits for dp and dq also wait for them; 1: after the dq store, in flight across the next row
-# tile's loads; 2: after the dq matmul, before its store (more spills).
-BWD_ACC_LAST = 1
 # Warps of a merge program (one token, the G heads of one KV head: a [G, D] tile per slot). One
 # warp for G <= 8, where a program's 16 slot loads then take 16-byte vectors per thread: forward
 # at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
@@ -537,7 +526,7 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             q, k, v, do, lse, delta, dk_acc, dv_acc, dkp, dvp, dq_partial if write_dq else dk_acc,
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG, ACC_LAST=BWD_ACC_LAST,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
             num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
         fmsa_bwd_dkdv_reduce_kernel[(HKG * nbc,)](
             dk_acc, dv_acc, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,

@@ -243,7 +243,7 @@ def range_attn_bwd_dq_kernel(
 @triton.jit
 def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
                HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-               MASK: tl.constexpr, TWO: tl.constexpr, ACC_LAST: tl.constexpr):
+               MASK: tl.constexpr, TWO: tl.constexpr):
     # TWO (with MASK): keys [mid, hi) of a row are also in a second softmax (lse2 in log2, delta2),
     # see range_attn_bwd_dq_kernel
     o_m = m0 + tl.arange(0, BM)
@@ -274,19 +274,13 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta
         b_delta2 = tl.load(delta2 + o_t * HQ + o_hq, mask=m_m, other=0.)
         m_s2 = m_m[:, None] & (o_n[None, :] >= b_mid[:, None]) & (o_n[None, :] < b_hi[:, None])
         b_p2 = tl.where(m_s2, tl.exp2(b_s - tl.where(m_m, b_lse2, 0.)[:, None]), 0.)
-        b_pv = b_p + b_p2
+        b_dv += tl.dot(tl.trans((b_p + b_p2).to(b_do.dtype)), b_do)
     else:
-        b_pv = b_p
-    if not ACC_LAST:
-        b_dv += tl.dot(tl.trans(b_pv.to(b_do.dtype)), b_do)
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
     b_dp = tl.dot(b_do, tl.trans(b_v))  # [BM, BN]
     b_ds = b_p * (b_dp - b_delta[:, None])
     if TWO:
         b_ds += b_p2 * (b_dp - b_delta2[:, None])
-    if ACC_LAST:
-        # both accumulating matmuls last, issued together: Triton waits for a matmul right
-        # after it unless its result is loop-carried (fmsa_bwd_dkdv_kernel)
-        b_dv += tl.dot(tl.trans(b_pv.to(b_do.dtype)), b_do)
     b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
     return b_dk, b_dv
 
@@ -295,7 +289,7 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta
 def range_attn_bwd_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, mid, qmid, lse2, delta2, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, LOCAL: tl.constexpr, ACC_LAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, LOCAL: tl.constexpr,
 ):
     # one program per (key tile, KV head), a 1-D grid ordered tile-major (the KV heads of a tile
     # are neighbours), see DKDV_DESC. LOCAL (rows upwards only): key row s is also in the second
@@ -331,7 +325,7 @@ def range_attn_bwd_dkdv_kernel(
                                       r_start), r_end)
         for m0 in range(r_start, r_loc, BM):  # rows past r_loc are masked: the loops below take them
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0,
-                                    r_loc, i_h, scale2, HQ, G, D, BD, BM, True, True, ACC_LAST)
+                                    r_loc, i_h, scale2, HQ, G, D, BD, BM, True, True)
         r_start = r_loc
     a, b = _split_range(r_start, r_end, tl.where(m_in, t_in_lo, 0) * G, tl.where(m_in, t_in_hi, 0) * G, BM)
     if DESC:
@@ -341,23 +335,23 @@ def range_attn_bwd_dkdv_kernel(
         # other program reads in time)
         for m0 in range(b, r_end, BM):
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
-                                    HQ, G, D, BD, BM, True, False, ACC_LAST)
+                                    HQ, G, D, BD, BM, True, False)
         for i_m in range(0, (b - a) // BM):
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, b - (i_m + 1) * BM, r_end,
-                                    i_h, scale2, HQ, G, D, BD, BM, False, False, ACC_LAST)
+                                    i_h, scale2, HQ, G, D, BD, BM, False, False)
         for i_m in range(0, (a - r_start) // BM):
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, a - (i_m + 1) * BM, r_end,
-                                    i_h, scale2, HQ, G, D, BD, BM, True, False, ACC_LAST)
+                                    i_h, scale2, HQ, G, D, BD, BM, True, False)
     else:
         for m0 in range(r_start, a, BM):
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
-                                    HQ, G, D, BD, BM, True, False, ACC_LAST)
+                                    HQ, G, D, BD, BM, True, False)
         for m0 in range(a, b, BM):
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
-                                    HQ, G, D, BD, BM, False, False, ACC_LAST)
+                                    HQ, G, D, BD, BM, False, False)
         for m0 in range(b, r_end, BM):
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
-                                    HQ, G, D, BD, BM, True, False, ACC_LAST)
+                                    HQ, G, D, BD, BM, True, False)
     tl.store(dk + o_kv, (b_dk * scale).to(dk.dtype.element_ty), mask=m_kv)
     tl.store(dv + o_kv, b_dv.to(dv.dtype.element_ty), mask=m_kv)
 
@@ -372,8 +366,6 @@ def range_attn_bwd_dkdv_kernel(
 # short ranges, gains only from the tile-major order (rows downwards cost it 6% at 256K):
 # 5.41 -> 5.10 ms at 64K, 22.06 -> 20.75 at 256K.
 DKDV_DESC = {"cmp": True, "window": False}
-# DKDV_ACC_LAST: the dk/dv step issues its two accumulating matmuls together, last (_dkdv_step)
-DKDV_ACC_LAST = True
 
 # The local part of the window kernels (LOCAL, flash_msa/fused.py) runs its few tiles all masked,
 # in one loop per kernel. Three loop parts like the rest (unmasked tiles inside; with dk/dv's ds as
@@ -468,8 +460,7 @@ def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: floa
             raise ValueError("range_attention_bwd: local needs the dk/dv rows upwards (DESC False)")
         range_attn_bwd_dkdv_kernel[(triton.cdiv(Tk, BN) * HK,)](
             q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, mid, qmid, lse2, delta2, scale * LOG2E, scale, T, Tk,
-            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, LOCAL=local is not None,
-            ACC_LAST=DKDV_ACC_LAST, **opts)
+            HQ=HQ, HK=HK, G=G, D=D, BD=BD, BM=BM, BN=BN, LOCAL=local is not None, **opts)
     return dq, dk, dv
 
 

@@ -45,9 +45,14 @@ HEAD_DIMS = (16, 32, 64, 128)
 MAX_S = 32
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Bytes of one partition's partial buffers (forward o + lse, backward dq), in the input dtype:
-# 384 MiB up to T = 64K, then 6 KiB per token, so extra memory stays linear in T
-# (docs/selected_attention.md, Memory).
-PARTIAL_BUDGET = 384 << 20
+# 768 MiB up to T = 128K, then 6 KiB per token, so extra memory stays linear in T
+# (docs/selected_attention.md, Memory). At 64K, 768 MiB gives 32768-token chunks instead of 16384
+# (half the partitions): forward + backward 22.61 against 24.12 / 24.05 ms at G=4 (656 against 385
+# MiB extra), 27.71 against 29.31 / 29.30 at G=5 (796 against 457 MiB); twice that again (one chunk
+# per KV head) 21.92 and 27.19 ms at 1200 and 1476 MiB, past the 1 GB the API promises at 64K
+# (benchmarks/results/selected_variants11_h200.log). Past 128K, twice the 6 KiB per token gained
+# under 1% of the whole op at 256K for 1 GB more (nsa_budget_h200_37ca19b.md).
+PARTIAL_BUDGET = 768 << 20
 PARTIAL_BUDGET_PER_TOKEN = 6 << 10
 # Backward segments: tiles of BM rows per program (longer keys are split, then reduced).
 # With per-head partitions at 64K, fwd+bwd at G=4 / G=5: 16 tiles 29.0 / 33.8 ms, 32 tiles

@@ -411,9 +411,10 @@ def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: in
     all heads would get, so keys gather more rows (fuller tiles) and dk/dv are read back and
     rewritten for fewer chunks (docs/selected_attention.md, Memory). Short sequences, that all
     heads would cover in fewer than HK chunks, keep all heads together: there per-head
-    partitions only add launches. At 8K tokens (4 chunks with all heads, or 8 per-head
-    partitions) the whole-NSA benchmark measured selected attention at 4.0 ms with all heads
-    (nsa_h200_755b1ad.md's 8K row) against 5.9 ms per head (nsa_h200_6c8eeb7.md's).
+    partitions only add launches. At 8K tokens and the 384 MiB budget of then (4 chunks with
+    all heads, or 8 per-head partitions) the whole-NSA benchmark measured selected attention at
+    4.0 ms with all heads (nsa_h200_755b1ad.md's 8K row) against 5.9 ms per head
+    (nsa_h200_6c8eeb7.md's).
 
     ``heads`` (HK or 1) fixes the head count; the chunk is then the largest that fits.
     """

@@ -170,7 +170,9 @@ def parse_globals(text):
     for var in filter(None, text.split(";")):
         spec = []
         for item in filter(None, var.split(",")):
-            path, val = item.split("=")
+            path, sep, val = item.partition("=")
+            if not sep or "." not in path:
+                raise ValueError(f"--compare-globals: expected module.NAME=value, got {item!r}")
             mod, name = path.rsplit(".", 1)
             spec.append((mod, name, ast.literal_eval(val)))
         out.append(spec)
@@ -178,14 +180,15 @@ def parse_globals(text):
 
 
 def set_globals(spec):
-    """Set module globals; returns the spec that restores the old values."""
+    """Set module globals, all or none (every name is checked first); returns the spec that
+    restores the old values."""
     import importlib
-    old = []
-    for mod, name, val in spec:
-        m = importlib.import_module(mod)
+    mods = [importlib.import_module(mod) for mod, _, _ in spec]
+    for m, (mod, name, _) in zip(mods, spec):
         if not hasattr(m, name):
-            raise AttributeError(f"{mod} has no global {name}")
-        old.append((mod, name, getattr(m, name)))
+            raise AttributeError(f"--compare-globals: {mod} has no global {name}")
+    old = [(mod, name, getattr(m, name)) for m, (mod, name, _) in zip(mods, spec)]
+    for m, (_, name, val) in zip(mods, spec):
         setattr(m, name, val)
     return old
 
@@ -254,18 +257,30 @@ def bench_model(name, T, args, device, row):
         # launch-setting / kernel-order variants (module globals), each timed side by side with the
         # shipped settings, whose outputs and gradients it must match; the shipped settings are
         # timed once more after the variants (prefix "shipped_again") to show the order's effect
+        # (all checks first, so that the reference outputs are freed before any timing)
         ref = [fwd().detach(), *fwd_bwd()]
-        for i, spec in enumerate(parse_globals(args.compare_globals)):
+        ok = []
+        for i, spec in enumerate(args.globals_variants):
+            row[f"var{i}_spec"] = " ".join(f"{m}.{n}={v}" for m, n, v in spec)
             old = set_globals(spec)
             try:
                 other = [fwd().detach(), *fwd_bwd()]
-                row[f"var{i}_spec"] = " ".join(f"{m}.{n}={v}" for m, n, v in spec)
                 row[f"var{i}_max_rel_rms"] = max(rel_rms(a, b) for a, b in zip(other, ref))
+                ok.append(i)
                 del other
-                time_op(f"var{i}")
+            except Exception as e:  # e.g. out of memory or a launch setting that does not compile
+                row[f"var{i}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             finally:
                 set_globals(old)
         del ref
+        for i in ok:
+            old = set_globals(args.globals_variants[i])
+            try:
+                time_op(f"var{i}")
+            except Exception as e:
+                row[f"var{i}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            finally:
+                set_globals(old)
         time_op("shipped_again")
 
     if args.compare_cmp:
@@ -425,7 +440,7 @@ def write_markdown(res, path):
             lines.append("| " + " | ".join([r["model"], str(r["T"]), "on" if on else "off", _f(a[0]), _f(a[1]),
                                              _f(b[0]), _f(b[1]), _f(a[2], 0), _f(b[2], 0),
                                              f"{r.get('local_toggle_max_rel_rms', float('nan')):.1e}"]) + " |")
-    var_rows = [r for r in res["rows"] if r.get("var0_fwd_bwd_ms")]
+    var_rows = [r for r in res["rows"] if r.get("var0_spec")]
     if var_rows:
         lines += ["", "Variants of module globals against the shipped settings (`--compare-globals`, same run: the "
                   "shipped settings first, then each variant, then the shipped settings again); max relative RMS of "
@@ -434,7 +449,7 @@ def write_markdown(res, path):
         for r in var_rows:
             runs = [("shipped", "nsa", None)]
             i = 0
-            while r.get(f"var{i}_fwd_bwd_ms"):
+            while r.get(f"var{i}_spec"):  # a variant that failed has an error (listed below) and no times
                 runs.append((r[f"var{i}_spec"], f"var{i}", r.get(f"var{i}_max_rel_rms")))
                 i += 1
             runs.append(("shipped, again", "shipped_again", None))
@@ -540,6 +555,10 @@ def main():
     import torch
     import triton
     from flash_msa.utils.validation import trusted_inputs
+    # parsed and checked once, before any timing (a bad spec fails here, not after the first row)
+    args.globals_variants = parse_globals(args.compare_globals)
+    for spec in args.globals_variants:
+        set_globals(set_globals(spec))
     os.makedirs(args.out, exist_ok=True)
     device = os.environ.get("BENCH_DEVICE", "cuda")
     RESULTS["meta"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -233,11 +233,10 @@ def variants(T, G, D, S, bs, device):
     # 64-row backward tiles (also with 128-tile segments, or a 128-register cap) lost: selected_variants7_h200.log.
     # The dk/dv loop's accumulating matmuls in the order of the math, or before the dq store, against
     # last (shipped): selected_variants10_h200.log (commit a8272cc's BWD_ACC_LAST).
-    # Now: larger partition budgets (2x: 32K-token chunks at 64K; 4x: one chunk per KV head), and
-    # 64-row backward tiles on 4 warps (two programs per SM, with spills). The shipped settings are
-    # timed again last.
-    budgets = [{"PARTIAL_BUDGET": 768 << 20, "PARTIAL_BUDGET_PER_TOKEN": 12 << 10},
-               {"PARTIAL_BUDGET": 1536 << 20, "PARTIAL_BUDGET_PER_TOKEN": 24 << 10}]
+    # Partition budgets (384 MiB then, now 768; 1536 MiB: one chunk per KV head at 64K) and 64-row
+    # backward tiles on 4 warps (two programs per SM, with spills): selected_variants11_h200.log,
+    # run at commit 37ca19b with 384 MiB shipped. The shipped settings are timed again last.
+    budgets = [{"PARTIAL_BUDGET": 384 << 20}, {"PARTIAL_BUDGET": 1536 << 20, "PARTIAL_BUDGET_PER_TOKEN": 24 << 10}]
     fwd_variants = [{}, *budgets, {}]
     bwd_variants = [{}, *budgets, {"BWD_BM": 64, "BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4, "SEG_TILES": 128},
                     {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 2}, {}]

@@ -51,7 +51,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # MiB extra), 27.71 against 29.31 / 29.30 at G=5 (796 against 457 MiB); twice that again (one chunk
 # per KV head) 21.92 and 27.19 ms at 1200 and 1476 MiB, past the 1 GB the API promises at 64K
 # (benchmarks/results/selected_variants11_h200.log). Past 128K, twice the 6 KiB per token gained
-# under 1% of the whole op at 256K for 1 GB more (nsa_budget_h200_37ca19b.md).
+# about 1% of the whole op at 256K (429.3 against 431.7 / 433.9 ms) for 1 GB more (nsa_budget_h200_37ca19b.md).
 PARTIAL_BUDGET = 768 << 20
 PARTIAL_BUDGET_PER_TOKEN = 6 << 10
 # Backward segments: tiles of BM rows per program (longer keys are split, then reduced).

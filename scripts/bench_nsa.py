@@ -223,6 +223,13 @@ def bench_model(name, T, args, device, row):
         row[f"{prefix}_peak_mib"] = peak_mib(fwd_bwd)
         save(args)
 
+    def outputs():
+        return [fwd().detach(), *fwd_bwd()]
+
+    def max_rel_rms(ref):
+        """Largest relative RMS of the op's output and gradients, as now set up, against ``ref``."""
+        return max(rel_rms(a, b) for a, b in zip(outputs(), ref))
+
     o = fwd()
     row["nsa_finite"] = bool(torch.isfinite(o).all().item())
     del o
@@ -243,31 +250,28 @@ def bench_model(name, T, args, device, row):
         on = fused_mod.LOCAL_IN_WINDOW
         row["local_in_window"] = fused_mod.local_in_window(row["selected_impl"], SIZES["slc_block"],
                                                            SIZES["slc_topk"], SIZES["window"]) and on
-        ref = [fwd().detach(), *fwd_bwd()]
-        fused_mod.LOCAL_IN_WINDOW = not on
+        ref = outputs()
+        old = set_globals([("flash_msa.fused", "LOCAL_IN_WINDOW", not on)])
         try:
-            other = [fwd().detach(), *fwd_bwd()]
-            row["local_toggle_max_rel_rms"] = max(rel_rms(a, b) for a, b in zip(other, ref))
-            del ref, other
+            row["local_toggle_max_rel_rms"] = max_rel_rms(ref)
+            del ref
             time_op("local_toggled")
         finally:
-            fused_mod.LOCAL_IN_WINDOW = on
+            set_globals(old)
 
     if args.compare_globals:
         # launch-setting / kernel-order variants (module globals), each timed side by side with the
         # shipped settings, whose outputs and gradients it must match; the shipped settings are
         # timed once more after the variants (prefix "shipped_again") to show the order's effect
         # (all checks first, so that the reference outputs are freed before any timing)
-        ref = [fwd().detach(), *fwd_bwd()]
+        ref = outputs()
         ok = []
         for i, spec in enumerate(args.globals_variants):
             row[f"var{i}_spec"] = " ".join(f"{m}.{n}={v}" for m, n, v in spec)
             old = set_globals(spec)
             try:
-                other = [fwd().detach(), *fwd_bwd()]
-                row[f"var{i}_max_rel_rms"] = max(rel_rms(a, b) for a, b in zip(other, ref))
+                row[f"var{i}_max_rel_rms"] = max_rel_rms(ref)
                 ok.append(i)
-                del other
             except Exception as e:  # e.g. out of memory or a launch setting that does not compile
                 row[f"var{i}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             finally:

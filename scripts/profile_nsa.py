@@ -72,7 +72,10 @@ def main():
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
     if args.by_op:
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        # verbose: the events keep their Python stacks (without it torch 2.11 drops them)
+        config = torch._C._profiler._ExperimentalConfig(verbose=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                     experimental_config=config) as prof:
             step()
             torch.cuda.synchronize()
         print(op_table(prof.events()))

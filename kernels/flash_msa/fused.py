@@ -12,7 +12,7 @@ dq. This backward needs none of that:
    dq and dk are exactly those of ``g_b * do``;
 3. compressed attention writes dq, and the window and selected attention add theirs to it
    (loaded, added in fp32, stored in dq's dtype: the rounding of autograd's sum), in that fixed
-   order: deterministic.
+   order: deterministic. Selected attention adds its fp32 dk, dv to the window's the same way.
 
 The forward runs the same kernels as the composed path; what the backward keeps is the same
 but the three branch output gradients and their sums are never materialised, so the peak memory
@@ -119,9 +119,7 @@ class NSAAttentionFunction(torch.autograd.Function):
         local = None if ctx.lr is None else (*ctx.lr, lse[1], delta[1])  # the local blocks' selected softmax
         dq, dk, dv = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
                                          delta=delta[2], dq=dq, local=local)
-        dq, dk_slc, dv_slc = _SELECTED[ctx.impl][1](q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq)
-        dk += dk_slc
-        dv += dv_slc
+        dq, dk, dv = _SELECTED[ctx.impl][1](q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq, dkv=(dk, dv))
         return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None, None
 
 

@@ -502,9 +502,10 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
 
 def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial: Optional[torch.Tensor],
                   HKG: int, block_indices: Optional[torch.Tensor] = None, dq: Optional[torch.Tensor] = None,
-                  dq_acc: bool = False):
+                  dq_acc: bool = False, dkv: Optional[tuple] = None):
     """dk, dv (dtype of k) by KV block. With ``dq_partial`` also dq (into ``dq``; added to what it
-    holds with ``dq_acc``), partition by partition."""
+    holds with ``dq_acc``), partition by partition. ``dkv`` = (dk, dv) holding other branches'
+    gradients, which this adds its fp32 sums to (one rounding) and returns."""
     T, HQ, D = q.shape
     HK, S = k.shape[1], csr.S
     G = HQ // HK
@@ -520,7 +521,7 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
     # fp32 accumulators of one partition's KV heads, final after the heads' last chunk
     dk_acc = torch.empty(T, HKG, D, device=k.device, dtype=torch.float32)
     dv_acc = torch.empty_like(dk_acc)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if dkv is None else dkv
     write_dq = dq_partial is not None
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         if i_c == 0:
@@ -542,8 +543,12 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
                 dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
                 HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc, LOCAL=csr.local)
         if i_c == csr.num_chunks - 1:  # these KV heads are done
-            dk[:, hk0:hk0 + HKG].copy_(dk_acc)
-            dv[:, hk0:hk0 + HKG].copy_(dv_acc)
+            if dkv is None:
+                dk[:, hk0:hk0 + HKG].copy_(dk_acc)
+                dv[:, hk0:hk0 + HKG].copy_(dv_acc)
+            else:  # in fp32, rounded once: no rounded copy of our own, and no separate sum pass
+                dk[:, hk0:hk0 + HKG] += dk_acc
+                dv[:, hk0:hk0 + HKG] += dv_acc
     return dk, dv
 
 
@@ -571,9 +576,11 @@ def fmsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: flo
     return o, lse, (csr, HKG)
 
 
-def fmsa_backward(q, k, v, lse, block_indices, state, scale: float, do, delta, dq: Optional[torch.Tensor] = None):
+def fmsa_backward(q, k, v, lse, block_indices, state, scale: float, do, delta, dq: Optional[torch.Tensor] = None,
+                  dkv: Optional[tuple] = None):
     """(dq, dk, dv) from :func:`fmsa_forward`'s lse (log2) and state, with delta = rowsum(o * do).
-    A given ``dq`` holds other branches' dq, which this adds to (flash_msa/fused.py)."""
+    A given ``dq`` (``dkv`` = (dk, dv)) holds other branches' gradients, which this adds to
+    (flash_msa/fused.py)."""
     csr, HKG = state
     T, HQ, D = q.shape
     acc = dq is not None
@@ -582,7 +589,8 @@ def fmsa_backward(q, k, v, lse, block_indices, state, scale: float, do, delta, d
     # bf16/fp16 partials for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
     rows = partition_rows(T, csr.chunk_size, HKG, HQ // k.shape[1], csr.S)
     dq_partial = torch.empty(rows, D, device=q.device, dtype=q.dtype)
-    dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, HKG, block_indices, dq, dq_acc=acc)
+    dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, HKG, block_indices, dq, dq_acc=acc,
+                           dkv=dkv)
     return dq, dk, dv
 
 

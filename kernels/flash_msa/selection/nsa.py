@@ -149,15 +149,17 @@ def nsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: floa
     return o, lse, meta
 
 
-def nsa_backward(q, k, v, lse, block_indices, meta, scale: float, do, delta, dq: Optional[torch.Tensor] = None):
+def nsa_backward(q, k, v, lse, block_indices, meta, scale: float, do, delta, dq: Optional[torch.Tensor] = None,
+                 dkv: Optional[tuple] = None):
     """(dq, dk, dv) from :func:`nsa_forward`'s lse (log2) and meta, with delta = rowsum(o * do).
-    A given ``dq`` holds other branches' dq, which this adds to (flash_msa/fused.py)."""
+    A given ``dq`` (``dkv`` = (dk, dv)) holds other branches' gradients, which this adds to
+    (flash_msa/fused.py)."""
     dq = nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale, dq)
     # dk, dv: KV-block-centric; partitions bound the buffer of split keys' segments
     T, HQ, D = q.shape
     chunk, heads = _fmsa.default_partition(T, HQ, k.shape[1], block_indices.shape[-1], D, q.element_size())
     csr = build_selection_csr(block_indices, meta, chunk)
-    dk, dv = _fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, None, heads)
+    dk, dv = _fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, None, heads, dkv=dkv)
     return dq, dk, dv
 
 

@@ -277,28 +277,42 @@ def fmsa_bwd_dkdv_kernel(
 
 @triton.jit
 def fmsa_bwd_dkdv_reduce_kernel(
-    dk, dv, dkp, dvp, key_offsets, slot_first, block_start, block_end, k_lo, NB, NBC,
-    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SEG: tl.constexpr, HKG: tl.constexpr,
+    dk, dv, dkp, dvp, key_offsets, slot_first, block_start, block_end, k_lo, NB, NBC, dk_out, dv_out, hk0,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SEG: tl.constexpr, HKG: tl.constexpr, HK: tl.constexpr,
+    FINAL: tl.constexpr, ADD: tl.constexpr,
 ):
-    # program (KV head of the partition, block); dk/dv hold the partition's HKG KV heads
+    # program (KV head of the partition, block); dk/dv hold the partition's HKG KV heads in fp32.
+    # Not FINAL: adds the segment slots of each split key to them. FINAL (the heads' last chunk,
+    # every block): also writes the sums to dk_out / dv_out [T, HK, D], added to what they hold
+    # with ADD, rounded once: every token's row, as the blocks partition the tokens.
     i_p = tl.program_id(0)
     i_h = i_p // NBC
     i_b = i_p % NBC
     i_key = k_lo + i_h * NB + i_b
     n_rows = (tl.load(key_offsets + i_key + 1) - tl.load(key_offsets + i_key)) * G
-    if n_rows <= SEG:
-        return
+    if not FINAL:
+        if n_rows <= SEG:
+            return
+    n_seg = tl.where(n_rows > SEG, tl.cdiv(n_rows, SEG), 0)  # a key of one segment has no slots
     i_slot0 = (tl.load(slot_first + i_key) - tl.load(slot_first + k_lo)).to(tl.int64)
     o_d = tl.arange(0, D)
     _, m_k, p_acc = _block_keys(block_start, block_end, i_b, i_h, HKG, D, BS)
     o_s = tl.arange(0, BS)[:, None] * D + o_d[None, :]
     b_dk = tl.load(dk + p_acc, mask=m_k[:, None], other=0.)
     b_dv = tl.load(dv + p_acc, mask=m_k[:, None], other=0.)
-    for i_j in range(0, tl.cdiv(n_rows, SEG)):
+    for i_j in range(0, n_seg):
         b_dk += tl.load(dkp + (i_slot0 + i_j) * BS * D + o_s)
         b_dv += tl.load(dvp + (i_slot0 + i_j) * BS * D + o_s)
-    tl.store(dk + p_acc, b_dk, mask=m_k[:, None])
-    tl.store(dv + p_acc, b_dv, mask=m_k[:, None])
+    if FINAL:
+        _, _, p_out = _block_keys(block_start, block_end, i_b, hk0 + i_h, HK, D, BS)
+        if ADD:
+            b_dk += tl.load(dk_out + p_out, mask=m_k[:, None], other=0.).to(tl.float32)
+            b_dv += tl.load(dv_out + p_out, mask=m_k[:, None], other=0.).to(tl.float32)
+        tl.store(dk_out + p_out, b_dk.to(dk_out.dtype.element_ty), mask=m_k[:, None])
+        tl.store(dv_out + p_out, b_dv.to(dv_out.dtype.element_ty), mask=m_k[:, None])
+    else:
+        tl.store(dk + p_acc, b_dk, mask=m_k[:, None])
+        tl.store(dv + p_acc, b_dv, mask=m_k[:, None])
 
 
 @triton.jit
@@ -535,20 +549,15 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
             num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
+        final = i_c == csr.num_chunks - 1  # these KV heads are done: the sums go to dk, dv
         fmsa_bwd_dkdv_reduce_kernel[(HKG * nbc,)](
             dk_acc, dv_acc, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
-            k_lo, NB, nbc, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, num_warps=8)
+            k_lo, NB, nbc, dk, dv, hk0, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, HK=HK, FINAL=final,
+            ADD=dkv is not None, num_warps=8)
         if write_dq:
             fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
                 dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
                 HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc, LOCAL=csr.local)
-        if i_c == csr.num_chunks - 1:  # these KV heads are done
-            if dkv is None:
-                dk[:, hk0:hk0 + HKG].copy_(dk_acc)
-                dv[:, hk0:hk0 + HKG].copy_(dv_acc)
-            else:  # in fp32, rounded once: no rounded copy of our own, and no separate sum pass
-                dk[:, hk0:hk0 + HKG] += dk_acc
-                dv[:, hk0:hk0 + HKG] += dv_acc
     return dk, dv
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from flash_msa.selection import fmsa
-from tests.kernels.selection._cases import assert_matches_reference, make_case, run, seq_starts
+from tests.helpers import assert_close
+from tests.kernels.selection._cases import assert_matches_reference, make_case, run, seq_starts, tolerance
 
 IMPLS = ["fmsa", "nsa"]
 
@@ -109,6 +110,28 @@ def test_fmsa_partitions(chunk, heads, device, monkeypatch):
     c.block_indices[..., 0] = torch.where(c.block_indices[..., 0] >= 0, c.block_indices[..., 0], 0)
     c.block_indices[..., 1:] = torch.where(c.block_indices[..., 1:] == 0, -1, c.block_indices[..., 1:])
     assert_matches_reference("fmsa", c, device, chunk_size=chunk, heads=heads)
+
+
+@pytest.mark.parametrize("chunk,heads", [(32, 1), (128, 3)], ids=["chunks-per-head", "one-partition"])
+def test_fmsa_backward_adds_to_given_dk_dv(chunk, heads, device, monkeypatch):
+    """Given dkv = (dk, dv) (the whole op passes the window's), fmsa's backward adds its fp32 dk/dv
+    to them in the heads' last reduction and returns those very tensors: their values plus its own,
+    on every token row, over several partitions and split keys."""
+    monkeypatch.setattr(fmsa, "SEG_TILES", 1)
+    monkeypatch.setattr(fmsa, "BWD_BM", 16)
+    c = make_case(100, 3, 2, 16, 3, 16, device, cu_seqlens=[0, 9, 70, 100], seed=5)
+    q, k, v, do = (x.detach()[0] for x in (c.q, c.k, c.v, c.do))
+    bi = c.block_indices[0]
+    o, lse, state = fmsa.fmsa_forward(q, k, v, bi, c.block_size, c.cu_seqlens, c.scale, chunk_size=chunk,
+                                      heads=heads)
+    delta = fmsa.attention_delta(o, do)
+    _, dk, dv = fmsa.fmsa_backward(q, k, v, lse, bi, state, c.scale, do, delta)
+    base_k, base_v = torch.randn_like(k), torch.randn_like(v)
+    dk_in, dv_in = base_k.clone(), base_v.clone()
+    _, dk2, dv2 = fmsa.fmsa_backward(q, k, v, lse, bi, state, c.scale, do, delta, dkv=(dk_in, dv_in))
+    assert dk2 is dk_in and dv2 is dv_in
+    assert_close("dk", dk2.float(), base_k.float() + dk.float(), tolerance(device))
+    assert_close("dv", dv2.float(), base_v.float() + dv.float(), tolerance(device))
 
 
 def test_default_partition(monkeypatch):

@@ -184,6 +184,43 @@ def copy_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
         D=D, BH=BH)
 
 
+@triton.jit
+def _add_head_copies_kernel(src, dst, S, s_b, s_h, s_s, d_b, d_h, d_s, J: tl.constexpr, H: tl.constexpr,
+                            BH: tl.constexpr, D: tl.constexpr):
+    # one (b, s) row: dst[b, h, s] (fp32) += sum over j of src[b, j*H + h, s], for the H heads
+    i_bs = tl.program_id(0).to(tl.int64)
+    i_b, i_s = i_bs // S, i_bs % S
+    o_h = tl.arange(0, BH)
+    o_d = tl.arange(0, D)
+    m = (o_h < H)[:, None]
+    p_dst = dst + i_b * d_b + i_s * d_s + o_h.to(tl.int64)[:, None] * d_h + o_d[None, :]
+    acc = tl.load(p_dst, mask=m, other=0.)
+    for j in tl.static_range(J):
+        acc += tl.load(src + i_b * s_b + i_s * s_s + (j * H + o_h).to(tl.int64)[:, None] * s_h + o_d[None, :],
+                       mask=m, other=0.).to(tl.float32)
+    tl.store(p_dst, acc, mask=m)
+
+
+def add_head_copies(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst += src.unflatten(1, (J, H)).sum(1)`` in fp32 for dst [B, H, S, D] (fp32) and src
+    [B, J*H, S, D] with a contiguous D: cuDNN's dk / dv of the repeated KV heads of one call summed
+    into the compressed keys' gradient. Written by hand: in PyTorch that is a strided reduction into
+    an fp32 temporary and an add (8 of each per forward + backward at 64K, about 0.3 ms on the H200,
+    benchmarks/results/profile_nsa_64k_h200.log); this reads src once and dst once."""
+    B, H, S, D = dst.shape
+    if (src.shape[0], src.shape[2:]) != (B, (S, D)) or src.shape[1] % H or dst.dtype != torch.float32 \
+            or dst.stride(3) != 1 or src.stride(3) != 1:
+        raise ValueError(f"add_head_copies takes fp32 dst [B, H, S, D] and src [B, J*H, S, D] with a contiguous D, "
+                         f"got {tuple(dst.shape)} {dst.dtype} and {tuple(src.shape)} {src.dtype}")
+    J = src.shape[1] // H
+    if D & (D - 1):  # tl.arange needs a power of two; the kernels' head dims are
+        dst += src.unflatten(1, (J, H)).sum(1, dtype=torch.float32)
+        return
+    _add_head_copies_kernel[(B * S,)](
+        src, dst, S, src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), dst.stride(2),
+        J=J, H=H, BH=triton.next_power_of_2(H), D=D)
+
+
 # ----------------------------------------------------------------------------------------------
 # dense causal GQA attention on [B, H, S, D]: cuDNN, or plain PyTorch (tests)
 
@@ -302,8 +339,8 @@ def dense_cmp_backward(q, k_cmp, v_cmp, o, lse, do, layout, block: int, stride: 
             torch.clamp(lse_g[:, h], max=LSE_CLAMP, out=lse4.view(B, J * HQ, S))
             dq4, dk4, dv4 = _attention()[1](do4[:, h], q4[:, h], k4, v4, o4[:, h], lse4, scale, aux[c])
             copy_heads(dq_g[:, h], dq4)
-            dk_g += dk4.unflatten(1, (J, HK)).sum(1, dtype=torch.float32)
-            dv_g += dv4.unflatten(1, (J, HK)).sum(1, dtype=torch.float32)
+            add_head_copies(dk_g, dk4)
+            add_head_copies(dv_g, dv4)
             del dq4, dk4, dv4, lse4
     if S < Tc:  # the short last groups, on the range kernel (its dq written, its dk/dv added)
         ranges = _last_group_ranges(B, Tc, n_last, k_cmp.shape[0], q.device)

@@ -16,9 +16,12 @@ numbered consecutively over the packed stream. Their number is at most
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from flash_msa.utils.cache import per_batch
 
@@ -111,6 +114,67 @@ def valid_entries(block_indices: torch.Tensor, meta: BlockMeta, local: int = 0) 
 SHORT_KEYS_BELOW = 1 << 16
 
 
+@triton.jit
+def _entry_keys_kernel(block_indices, tok_start, tok_block0, key, N, chunk_size, NB, num_keys,
+                       HK: tl.constexpr, S: tl.constexpr, BS: tl.constexpr, LOCAL: tl.constexpr,
+                       SHORT: tl.constexpr, BLOCK: tl.constexpr):
+    # the sort key of each entry (t, hk, s) of block_indices [T, HK, S]: (chunk, KV head, global
+    # block), num_keys for an invalid entry; int32 arithmetic (num_keys < 2^31, checked by the caller)
+    o_e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_e = o_e < N
+    b_idx = tl.load(block_indices + o_e, mask=m_e, other=-1)
+    b_t = (o_e // (HK * S)).to(tl.int32)
+    b_hk = ((o_e // S) % HK).to(tl.int32)
+    own = (b_t - tl.load(tok_start + b_t, mask=m_e, other=0)) // BS
+    valid = (b_idx >= 0) & (b_idx <= own - LOCAL)
+    b_key = ((b_t // chunk_size) * HK + b_hk) * NB + tl.load(tok_block0 + b_t, mask=m_e, other=0) + b_idx
+    b_key = tl.where(valid, b_key, num_keys)
+    if SHORT:
+        tl.store(key + o_e, (b_key - 32768).to(tl.int16), mask=m_e)
+    else:
+        tl.store(key + o_e, b_key, mask=m_e)
+
+
+def entry_keys(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0,
+               short: bool = False) -> torch.Tensor:
+    """The flat sort keys of :func:`build_selection_csr`: (chunk, KV head, global block) of each
+    entry of ``block_indices`` [T, HK, S], ``num_keys`` for an invalid one (:func:`valid_entries`);
+    with ``short`` as int16, shifted by -2^15. One Triton kernel on the GPU (written by hand: the same
+    in PyTorch is about ten elementwise passes over the T * HK * S entries, 0.2 ms at 64K on the H200,
+    benchmarks/results/profile_nsa_by_op_64k_h200_a17dfc8.log); the PyTorch form on the CPU."""
+    T, HK, S = block_indices.shape
+    NB = meta.num_blocks
+    num_keys = ((T + chunk_size - 1) // chunk_size) * HK * NB
+    if block_indices.is_cuda or _interpret():
+        key = torch.empty(T * HK * S, device=block_indices.device, dtype=torch.int16 if short else torch.int32)
+        BLOCK = 1024
+        _entry_keys_kernel[(triton.cdiv(T * HK * S, BLOCK),)](
+            block_indices, meta.tok_start, meta.tok_block0, key, T * HK * S, chunk_size, NB, num_keys,
+            HK=HK, S=S, BS=meta.block_size, LOCAL=local, SHORT=short, BLOCK=BLOCK)
+        return key
+    return entry_keys_torch(block_indices, meta, chunk_size, local, short)
+
+
+def entry_keys_torch(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0,
+                     short: bool = False) -> torch.Tensor:
+    """:func:`entry_keys` in PyTorch (the CPU path, and the kernel's reference in the tests)."""
+    T, HK, S = block_indices.shape
+    device = block_indices.device
+    NB = meta.num_blocks
+    num_keys = ((T + chunk_size - 1) // chunk_size) * HK * NB
+    valid = valid_entries(block_indices, meta, local)
+    t = torch.arange(T, device=device, dtype=torch.int32)
+    gblk = meta.tok_block0[:, None, None] + block_indices  # [T, HK, S]
+    head = torch.arange(HK, device=device, dtype=torch.int32)[None, :, None]
+    key = ((t // chunk_size)[:, None, None] * HK + head) * NB + gblk
+    key = torch.where(valid, key, torch.full_like(key, num_keys)).flatten()
+    return (key - (1 << 15)).to(torch.int16) if short else key
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0) -> SelectionCSR:
     """Groups the valid entries of ``block_indices`` [T, HK, S] by (chunk, KV head, block);
     with ``local`` > 0 the entries of a query's last ``local`` blocks are left out (:func:`valid_entries`).
@@ -125,17 +189,13 @@ def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size
     num_keys = num_chunks * HK * NB
     if num_keys >= 2 ** 31 or T * HK * S >= 2 ** 31:
         raise ValueError(f"T * HK * S = {T * HK * S} entries is too large for int32 indices (must be < 2^31)")
-    valid = valid_entries(block_indices, meta, local)
-    t = torch.arange(T, device=device, dtype=torch.int32)
-    gblk = meta.tok_block0[:, None, None] + block_indices  # [T, HK, S]
-    head = torch.arange(HK, device=device, dtype=torch.int32)[None, :, None]
-    key = ((t // chunk_size)[:, None, None] * HK + head) * NB + gblk
-    key = torch.where(valid, key, torch.full_like(key, num_keys)).flatten()
+    # keys and the invalid mark fit 16 bits: a radix sort of int16 keys takes half the passes
+    # (8.4M entries at 64K: 0.25 against 0.41 ms on the H200, selected_variants5_h200.log)
+    short = num_keys < SHORT_KEYS_BELOW
+    key = entry_keys(block_indices.contiguous(), meta, chunk_size, local, short)
     bounds = torch.arange(num_keys + 1, device=device, dtype=torch.int32)
-    if num_keys < SHORT_KEYS_BELOW:
-        # keys and the invalid mark fit 16 bits: a radix sort of int16 keys takes half the passes
-        # (8.4M entries at 64K: 0.25 against 0.41 ms on the H200, selected_variants5_h200.log)
-        key, bounds = (key - (1 << 15)).to(torch.int16), (bounds - (1 << 15)).to(torch.int16)
+    if short:
+        bounds = (bounds - (1 << 15)).to(torch.int16)
     sorted_key, order = torch.sort(key, stable=True)
     key_offsets = torch.searchsorted(sorted_key, bounds, out_int32=True)
     return SelectionCSR(meta=meta, HK=HK, S=S, chunk_size=chunk_size, num_chunks=num_chunks,

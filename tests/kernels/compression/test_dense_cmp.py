@@ -180,3 +180,26 @@ def test_copy_heads_into_group_view(device, src_layout):
     assert torch.equal(o, want)
     with pytest.raises(ValueError, match="contiguous D"):
         dense_cmp.copy_heads(view, src.float() if dtype != torch.float32 else src.double())
+
+
+@pytest.mark.parametrize("src_layout", ["heads-contiguous", "positions-contiguous"])
+def test_add_head_copies(device, src_layout):
+    """add_head_copies adds the J copies of H heads in a [B, J*H, S, D] source (cuDNN's dk / dv of the
+    repeated KV heads) to an fp32 strided view [B, H, S, D] (the compressed rows' gradient), H not a
+    power of two; a wrong shape or dtype is refused."""
+    B, Tc, H, D, J, S = 2, 7, 3, 64, 4, 6
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    acc = torch.randn(B * Tc + 3, H, D, device=device)  # packed rows, the last 3 past the B sequences
+    dst = acc[:B * Tc].view(B, Tc, H, D)[:, :S].transpose(1, 2)
+    src = torch.randn(B, S, J * H, D, device=device, dtype=dtype).transpose(1, 2)
+    if src_layout == "positions-contiguous":
+        src = src.contiguous()
+    want = acc.clone()
+    want[:B * Tc].view(B, Tc, H, D)[:, :S] += src.float().unflatten(1, (J, H)).sum(1).transpose(1, 2)
+    dense_cmp.add_head_copies(dst, src)
+    assert torch.allclose(acc, want, rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="fp32 dst"):
+        dense_cmp.add_head_copies(dst.to(torch.float64), src)
+    with pytest.raises(ValueError, match="fp32 dst"):
+        dense_cmp.add_head_copies(dst, src[:, :5])
+

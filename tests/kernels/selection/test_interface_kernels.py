@@ -93,6 +93,25 @@ def test_csr_groups_entries_by_block():
     assert sorted(seen) == valid.flatten().nonzero().flatten().tolist()
 
 
+@pytest.mark.parametrize("local", [0, 2])
+@pytest.mark.parametrize("short", [False, True])
+def test_entry_keys_kernel_matches_torch(local, short, device):
+    """The CSR's sort keys from its Triton kernel equal the PyTorch form, bit for bit: varlen with
+    a sequence shorter than a block, -1 entries, entries past the causal limit, the local blocks
+    left out, int32 and int16 keys, several chunks."""
+    from flash_msa.utils import csr as csr_mod
+    cu = torch.tensor([0, 5, 40, 107], dtype=torch.int32, device=device)
+    T, HK, S, bs = 107, 3, 4, 16
+    bi = random_indices(T, HK, S, bs, cu.cpu(), gen=torch.Generator().manual_seed(4))[0].to(device)
+    meta = prepare_block_meta(cu, T, bs)
+    got = csr_mod.entry_keys(bi, meta, 32, local, short)
+    want = csr_mod.entry_keys_torch(bi, meta, 32, local, short)
+    assert got.dtype == want.dtype == (torch.int16 if short else torch.int32)
+    assert torch.equal(got, want)
+    num_keys = 4 * HK * meta.num_blocks
+    assert (want == (num_keys - (1 << 15) if short else num_keys)).any()  # some entries invalid
+
+
 @pytest.mark.parametrize("T,HK,chunk", [(40, 2, 16), (69888, 5, 23296)])
 def test_csr_int16_keys_match_int32(monkeypatch, T, HK, chunk):
     """The CSR sorts int16 keys when they fit; the int32 sort gives the same index. The second case

@@ -205,8 +205,9 @@ def add_head_copies(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst += src.unflatten(1, (J, H)).sum(1)`` in fp32 for dst [B, H, S, D] (fp32) and src
     [B, J*H, S, D] with a contiguous D: cuDNN's dk / dv of the repeated KV heads of one call summed
     into the compressed keys' gradient. Written by hand: in PyTorch that is a strided reduction into
-    an fp32 temporary and an add (8 of each per forward + backward at 64K, about 0.3 ms on the H200,
-    benchmarks/results/profile_nsa_64k_h200.log); this reads src once and dst once."""
+    an fp32 temporary and an add (8 of each per forward + backward at 64K: reductions of 0.25 ms on the
+    H200, benchmarks/results/profile_nsa_64k_h200_3d7bbd1.log); this reads src once and dst once (0.15 ms,
+    profile_nsa_64k_h200.log)."""
     B, H, S, D = dst.shape
     if (src.shape[0], src.shape[2:]) != (B, (S, D)) or src.shape[1] % H or dst.dtype != torch.float32 \
             or dst.stride(3) != 1 or src.stride(3) != 1:

@@ -80,5 +80,6 @@ def main():
             torch.cuda.synchronize()
         print(op_table(prof.events()))
 
+
 if __name__ == "__main__":
     main()

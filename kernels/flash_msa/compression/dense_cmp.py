@@ -205,14 +205,15 @@ def add_head_copies(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst += src.unflatten(1, (J, H)).sum(1)`` in fp32 for dst [B, H, S, D] (fp32) and src
     [B, J*H, S, D] with a contiguous D: cuDNN's dk / dv of the repeated KV heads of one call summed
     into the compressed keys' gradient. Written by hand: in PyTorch that is a strided reduction into
-    an fp32 temporary and an add (8 of each per forward + backward at 64K: reductions of 0.25 ms on the
-    H200, benchmarks/results/profile_nsa_64k_h200_3d7bbd1.log); this reads src once and dst once (0.15 ms,
-    profile_nsa_64k_h200.log)."""
+    an fp32 temporary and an add per tensor and call (at 64K on the H200 the strided bf16 reductions took
+    0.25 ms in 12 launches, benchmarks/results/profile_nsa_64k_h200_3d7bbd1.log); this reads src once and
+    dst once (0.15 ms in 8 launches, profile_nsa_64k_h200.log)."""
     B, H, S, D = dst.shape
     if (src.shape[0], src.shape[2:]) != (B, (S, D)) or src.shape[1] % H or dst.dtype != torch.float32 \
             or dst.stride(3) != 1 or src.stride(3) != 1:
         raise ValueError(f"add_head_copies takes fp32 dst [B, H, S, D] and src [B, J*H, S, D] with a contiguous D, "
-                         f"got {tuple(dst.shape)} {dst.dtype} and {tuple(src.shape)} {src.dtype}")
+                         f"got {tuple(dst.shape)} {dst.dtype} strides {dst.stride()} and "
+                         f"{tuple(src.shape)} {src.dtype} strides {src.stride()}")
     J = src.shape[1] // H
     if D & (D - 1):  # tl.arange needs a power of two; the kernels' head dims are
         dst += src.unflatten(1, (J, H)).sum(1, dtype=torch.float32)

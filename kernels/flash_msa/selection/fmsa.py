@@ -22,7 +22,8 @@ Backward: ``fmsa_bwd_preprocess_kernel`` (delta = rowsum(o * do)), then per part
      contribution of each row to a compact buffer. A key of one segment adds dk/dv to fp32
      accumulators (of the partition's KV heads) only it touches; a longer key (block 0)
      writes one slot per segment.
-  2. ``fmsa_bwd_dkdv_reduce_kernel``: adds the slots of each split key in segment order.
+  2. ``fmsa_bwd_dkdv_reduce_kernel``: adds the slots of each split key in segment order; in the KV
+     heads' last chunk it writes the fp32 sums of every block to dk, dv (or adds them to given ones).
   3. ``fmsa_bwd_dq_kernel``: one program per (token, KV head) sums the dq contributions in
      slot order.
 
@@ -535,7 +536,14 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
     # fp32 accumulators of one partition's KV heads, final after the heads' last chunk
     dk_acc = torch.empty(T, HKG, D, device=k.device, dtype=torch.float32)
     dv_acc = torch.empty_like(dk_acc)
-    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if dkv is None else dkv
+    if dkv is None:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:
+        dk, dv = dkv
+        for name, x in (("dk", dk), ("dv", dv)):
+            if x.shape != k.shape or x.dtype != k.dtype or not x.is_contiguous():
+                raise ValueError(f"dkv's {name} must be a contiguous {k.dtype} tensor of k's shape {tuple(k.shape)}, "
+                                 f"got {tuple(x.shape)} {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}")
     write_dq = dq_partial is not None
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         if i_c == 0:
@@ -549,10 +557,10 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
             num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
-        final = i_c == csr.num_chunks - 1  # these KV heads are done: the sums go to dk, dv
-        fmsa_bwd_dkdv_reduce_kernel[(HKG * nbc,)](
+        final = i_c == csr.num_chunks - 1  # these KV heads are done: the sums of every block go to dk, dv
+        fmsa_bwd_dkdv_reduce_kernel[(HKG * (NB if final else nbc),)](  # the last chunk's nbc is NB too
             dk_acc, dv_acc, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
-            k_lo, NB, nbc, dk, dv, hk0, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, HK=HK, FINAL=final,
+            k_lo, NB, NB if final else nbc, dk, dv, hk0, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, HK=HK, FINAL=final,
             ADD=dkv is not None, num_warps=8)
         if write_dq:
             fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](

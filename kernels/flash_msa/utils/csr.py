@@ -145,6 +145,7 @@ def entry_keys(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, lo
     T, HK, S = block_indices.shape
     NB = meta.num_blocks
     num_keys = ((T + chunk_size - 1) // chunk_size) * HK * NB
+    block_indices = block_indices.contiguous()  # the kernel reads it flat
     if block_indices.is_cuda or _interpret():
         key = torch.empty(T * HK * S, device=block_indices.device, dtype=torch.int16 if short else torch.int32)
         BLOCK = 1024
@@ -158,7 +159,7 @@ def entry_keys(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, lo
 def entry_keys_torch(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0,
                      short: bool = False) -> torch.Tensor:
     """:func:`entry_keys` in PyTorch (the CPU path, and the kernel's reference in the tests)."""
-    T, HK, S = block_indices.shape
+    T, HK = block_indices.shape[:2]
     device = block_indices.device
     NB = meta.num_blocks
     num_keys = ((T + chunk_size - 1) // chunk_size) * HK * NB
@@ -192,7 +193,7 @@ def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size
     # keys and the invalid mark fit 16 bits: a radix sort of int16 keys takes half the passes
     # (8.4M entries at 64K: 0.25 against 0.41 ms on the H200, selected_variants5_h200.log)
     short = num_keys < SHORT_KEYS_BELOW
-    key = entry_keys(block_indices.contiguous(), meta, chunk_size, local, short)
+    key = entry_keys(block_indices, meta, chunk_size, local, short)
     bounds = torch.arange(num_keys + 1, device=device, dtype=torch.int32)
     if short:
         bounds = (bounds - (1 << 15)).to(torch.int16)

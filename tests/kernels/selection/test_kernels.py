@@ -132,6 +132,10 @@ def test_fmsa_backward_adds_to_given_dk_dv(chunk, heads, device, monkeypatch):
     assert dk2 is dk_in and dv2 is dv_in
     assert_close("dk", dk2.float(), base_k.float() + dk.float(), tolerance(device))
     assert_close("dv", dv2.float(), base_v.float() + dv.float(), tolerance(device))
+    with pytest.raises(ValueError, match="dkv's dk must be a contiguous"):
+        fmsa.fmsa_backward(q, k, v, lse, bi, state, c.scale, do, delta, dkv=(dk_in.transpose(0, 1), dv_in))
+    with pytest.raises(ValueError, match="dkv's dv must be a contiguous"):
+        fmsa.fmsa_backward(q, k, v, lse, bi, state, c.scale, do, delta, dkv=(dk_in, dv_in.double()))
 
 
 def test_default_partition(monkeypatch):

@@ -291,11 +291,11 @@ def bench_model(name, T, args, device, row):
         # the other compressed-attention backend (Triton range kernels / cuDNN), side by side
         other = "cudnn" if row["cmp_backend"] == "triton" else "triton"
         if other == "triton" or dense_cmp.cudnn_supported(q[0]):
-            backend, dense_cmp.BACKEND = dense_cmp.BACKEND, other
+            old = set_globals([("flash_msa.compression.dense_cmp", "BACKEND", other)])
             try:
                 time_op(f"{other}_cmp")
             finally:
-                dense_cmp.BACKEND = backend
+                set_globals(old)
 
     if T <= args.breakdown_max_t:
         qf, kf, vf = q[0], k[0], v[0]

@@ -558,9 +558,10 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
             num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
         final = i_c == csr.num_chunks - 1  # these KV heads are done: the sums of every block go to dk, dv
-        fmsa_bwd_dkdv_reduce_kernel[(HKG * (NB if final else nbc),)](  # the last chunk's nbc is NB too
+        n_red = NB if final else nbc  # (the last chunk's nbc is NB too)
+        fmsa_bwd_dkdv_reduce_kernel[(HKG * n_red,)](
             dk_acc, dv_acc, dkp, dvp, csr.key_offsets, slot_first, meta.block_start, meta.block_end,
-            k_lo, NB, NB if final else nbc, dk, dv, hk0, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, HK=HK, FINAL=final,
+            k_lo, NB, n_red, dk, dv, hk0, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, HK=HK, FINAL=final,
             ADD=dkv is not None, num_warps=8)
         if write_dq:
             fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](

@@ -144,7 +144,7 @@ def entry_keys(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, lo
     benchmarks/results/profile_nsa_by_op_64k_h200_a17dfc8.log); the PyTorch form on the CPU."""
     T, HK, S = block_indices.shape
     NB = meta.num_blocks
-    num_keys = ((T + chunk_size - 1) // chunk_size) * HK * NB
+    num_keys = _num_keys(T, HK, NB, chunk_size)
     block_indices = block_indices.contiguous()  # the kernel reads it flat
     if block_indices.is_cuda or _interpret():
         key = torch.empty(T * HK * S, device=block_indices.device, dtype=torch.int16 if short else torch.int32)
@@ -162,7 +162,7 @@ def entry_keys_torch(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: i
     T, HK = block_indices.shape[:2]
     device = block_indices.device
     NB = meta.num_blocks
-    num_keys = ((T + chunk_size - 1) // chunk_size) * HK * NB
+    num_keys = _num_keys(T, HK, NB, chunk_size)
     valid = valid_entries(block_indices, meta, local)
     t = torch.arange(T, device=device, dtype=torch.int32)
     gblk = meta.tok_block0[:, None, None] + block_indices  # [T, HK, S]
@@ -176,6 +176,11 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _num_keys(T: int, HK: int, NB: int, chunk_size: int) -> int:
+    """Keys of the CSR: (query chunk, KV head, global block); also the invalid entries' sort key."""
+    return -(-T // chunk_size) * HK * NB
+
+
 def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0) -> SelectionCSR:
     """Groups the valid entries of ``block_indices`` [T, HK, S] by (chunk, KV head, block);
     with ``local`` > 0 the entries of a query's last ``local`` blocks are left out (:func:`valid_entries`).
@@ -187,7 +192,7 @@ def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size
     device = block_indices.device
     NB = meta.num_blocks
     num_chunks = (T + chunk_size - 1) // chunk_size
-    num_keys = num_chunks * HK * NB
+    num_keys = _num_keys(T, HK, NB, chunk_size)
     if num_keys >= 2 ** 31 or T * HK * S >= 2 ** 31:
         raise ValueError(f"T * HK * S = {T * HK * S} entries is too large for int32 indices (must be < 2^31)")
     # keys and the invalid mark fit 16 bits: a radix sort of int16 keys takes half the passes

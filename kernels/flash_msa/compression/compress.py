@@ -19,8 +19,8 @@ Kernels (one program per tile of rows or slots and one KV head, but for dW):
   token ``i*d + j`` of a chunk gets ``dh(i - c) @ W[j + c*d]^T`` from the r = l/d blocks that
   cover it (plus ``dout/l`` through the mean). Each token is written by exactly one program.
 - ``compress_bwd_dw_kernel``: per (offset j, head, split of the rows), ``dW_j = sum_i x_j(i)^T dh(i)``
-  in row order; one more program per (head, split) sums ``dproj = gelu(hidden)^T dout``. The
-  splits' partials are added in order on the host.
+  in row order; a second launch (``PROJ``), one program per (head, split), sums
+  ``dproj = gelu(hidden)^T dout``. The splits' partials are added in order on the host.
 
 The position encoding's share of the forward ([H, D] biases), of dpos ([H, l, D]) and of dW
 (an [H, l, D, D] outer product) is computed on the host side with PyTorch.
@@ -139,10 +139,14 @@ def compress_bwd_dx_kernel(
 def compress_bwd_dw_kernel(
     x, dh, do, hid, dw, dproj, first_key, valid, Tc, rows_per_split,
     H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+    PROJ: tl.constexpr,
 ):
     # program (j, head, split), j < BLOCK: the split's share of dW_j = sum over rows i of
-    # x[first_key(i) + j]^T dh(i); j == BLOCK (with the MLP): of dproj = sum_i gelu(hid(i))^T do(i).
-    # Rows in order within a split, splits summed in order on the host: deterministic.
+    # x[first_key(i) + j]^T dh(i); PROJ (a launch of its own, j = 0): of dproj = sum_i gelu(hid(i))^T do(i).
+    # Rows in order within a split, splits summed in order on the host: deterministic. The two parts
+    # are separate launches (constexpr PROJ), not a branch on j: with the branch in the row loop Triton
+    # did not pipeline its loads, and with both parts in one kernel the dW part took the registers of
+    # the gelu part (183 against 102 on sm_90, one program per SM instead of two).
     i_j, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = tl.arange(0, D)
     b_acc = tl.zeros([D, D], dtype=tl.float32)
@@ -152,20 +156,20 @@ def compress_bwd_dw_kernel(
         m_c = o_c < Tc
         m_v = m_c & (tl.load(valid + o_c, mask=m_c, other=0) != 0)
         o_r = (o_c.to(tl.int64) * H + i_h)[:, None] * D + o_d[None, :]
-        if i_j < BLOCK:
-            b_k0 = tl.load(first_key + o_c, mask=m_v, other=0)
-            b_a = tl.load(x + ((b_k0 + i_j) * H + i_h)[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.)
-            b_b = tl.load(dh + o_r, mask=m_v[:, None], other=0.)
-        else:
+        if PROJ:
             b_h = tl.load(hid + o_r, mask=m_v[:, None], other=0.).to(tl.float32)  # (fp32; typed for MLP=False too)
             b_a = (0.5 * b_h * (1. + tl.erf(b_h * _SQRT1_2))).to(do.dtype.element_ty)
             b_b = tl.load(do + o_r, mask=m_v[:, None], other=0.)
+        else:
+            b_k0 = tl.load(first_key + o_c, mask=m_v, other=0)
+            b_a = tl.load(x + ((b_k0 + i_j) * H + i_h)[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.)
+            b_b = tl.load(dh + o_r, mask=m_v[:, None], other=0.)
         b_acc += tl.dot(tl.trans(b_a), b_b, input_precision=PREC)
     o_dd = o_d[:, None] * D + o_d[None, :]
-    if i_j < BLOCK:
-        tl.store(dw + ((i_s * H + i_h).to(tl.int64) * BLOCK + i_j) * D * D + o_dd, b_acc)
-    else:
+    if PROJ:
         tl.store(dproj + (i_s * H + i_h).to(tl.int64) * D * D + o_dd, b_acc)
+    else:
+        tl.store(dw + ((i_s * H + i_h).to(tl.int64) * BLOCK + i_j) * D * D + o_dd, b_acc)
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -201,8 +205,9 @@ def compression_slots(cu_seqlens: torch.Tensor, T: int, block: int, stride: int)
 
 # dW / dproj: the reduction over compressed rows takes one split per DW_SPLIT_ROWS rows, at most
 # DW_MAX_SPLITS (partials of splits * H * l * D * D fp32: 64 MiB at 4 splits, 8 KV heads, l=32,
-# D=128).
-DW_SPLIT_ROWS, DW_MAX_SPLITS = 1024, 4
+# D=128; 128 MiB at 8). 8 rather than 4 since the pipelined dW kernel: one of k/v forward + backward
+# at 256K 2.31 against 2.40 ms (benchmarks/results/tune_h200_compress2.md); from 128K on.
+DW_SPLIT_ROWS, DW_MAX_SPLITS = 1024, 8
 
 # Launch tiles {"fwd" | "prep" | "dx" | "dw": (rows per program, launch options)}; entries replace the
 # defaults of _tiles (tests and scripts/tune_nsa.py set them).
@@ -274,9 +279,10 @@ class CompressFunction(torch.autograd.Function):
         rows = triton.cdiv(triton.cdiv(Tc, splits), BC) * BC
         dw = torch.empty(splits, H, block * D, D, device=x.device, dtype=torch.float32)
         dproj = torch.empty(splits, H, D, D, device=x.device, dtype=torch.float32) if mlp else dw
-        compress_bwd_dw_kernel[(block + mlp, H, splits)](
-            x, dh, do, hid if mlp else dh, dw, dproj, first_key, valid, Tc, rows,
-            H=H, D=D, BLOCK=block, BC=BC, PREC=prec, **opts)
+        for part in (False, True) if mlp else (False,):
+            compress_bwd_dw_kernel[(1 if part else block, H, splits)](
+                x, dh, do, hid if mlp else dh, dw, dproj, first_key, valid, Tc, rows,
+                H=H, D=D, BLOCK=block, BC=BC, PREC=prec, PROJ=part, **opts)
         dw = dw.sum(0)  # [H, l*D, D], splits in order
         dproj = dproj.sum(0) if mlp else None
         # the position encoding: X_j = x_j + pos_j, so dW_j gains pos_j^T sum_i dh(i) and

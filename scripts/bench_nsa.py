@@ -164,12 +164,22 @@ def check(HQ, HK, D, T, device):
 
 def parse_globals(text):
     """"mod.NAME=v,mod.NAME2=v;..." -> variants, each a list of (module path, name, value); values
-    are Python literals (0/1, numbers, True/False)."""
+    are Python literals (0/1, numbers, True/False, tuples and dicts: commas inside brackets do not
+    separate items)."""
     import ast
     out = []
     for var in filter(None, text.split(";")):
         spec = []
-        for item in filter(None, var.split(",")):
+        items, depth, cur = [], 0, ""
+        for ch in var:
+            depth += (ch in "([{") - (ch in ")]}")
+            if ch == "," and depth == 0:
+                items.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        items.append(cur)
+        for item in filter(None, items):
             path, sep, val = item.partition("=")
             if not sep or "." not in path:
                 raise ValueError(f"--compare-globals: expected module.NAME=value, got {item!r}")

@@ -89,8 +89,11 @@ def cases():
              dict(do=B, hid=F, proj=B, valid=U8, dh=B, Tc="i32"), dict(H=8, D=128, BC=tiles["prep"][0], PREC=None)),
             ("dw", compress.compress_bwd_dw_kernel,
              dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32", rows_per_split="i32"),
-             dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], PREC=None))):
-        out.append((f"compress_{kern}", fn, sig, const, (), tiles[kern][1]))
+             dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], PREC=None, PROJ=False)),
+            ("dproj", compress.compress_bwd_dw_kernel,
+             dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32", rows_per_split="i32"),
+             dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], PREC=None, PROJ=True))):
+        out.append((f"compress_{kern}", fn, sig, const, (), tiles["dw" if kern == "dproj" else kern][1]))
     # the gated combination's forward and the whole op's backward of it (flash_msa/fused.py)
     BD, BR, opts = gates._launch(128, torch.device("cuda"))
     for name, fn, sig in (
@@ -145,7 +148,6 @@ def cases():
                                   PERM=perm, KV=kv, LOG_BT=cfg["BT"].bit_length() - 1, HYBRID=hyb, FOLD4=fold4),
                         (), cfg["opts"]))
         for kind in ("cmp", "window"):
-            tiles = w._tiles(128, torch.device("cuda"), kind)
             for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F, o_loc=B, lse_loc=F)),
                                     ("dq", w.range_attn_bwd_dq_kernel, dict(do=B, lse=F, delta=F, dq=B, lse2=F, delta2=F)),
                                     ("dkdv", w.range_attn_bwd_dkdv_kernel,
@@ -153,13 +155,13 @@ def cases():
                 names = fn.arg_names[:fn.arg_names.index("HQ")]
                 types = dict(q=B, k=B, v=B, lo=I, hi=I, qlo=I, qhi=I, mid=I, qmid=I, scale2="fp32", scale="fp32",
                              T="i32", Tk="i32", **extra)
-                bm, bn, opts = tiles[kern]
-                const = {n: v for n, v in opts.items() if n.isupper()}  # dk/dv's row order
-                if kern == "dq":  # the whole op (flash_msa/fused.py): the window adds to compressed attention's dq
-                    const["ACC"] = kind == "window"
-                opts = {n: v for n, v in opts.items() if not n.isupper()}
                 # the whole op's window also computes fmsa's local blocks (LOCAL, flash_msa/fused.py)
                 for local in ((False, True) if kind == "window" else (False,)):
+                    bm, bn, opts = w._tiles(128, torch.device("cuda"), kind, local)[kern]
+                    const = {n: v for n, v in opts.items() if n.isupper()}  # dk/dv's row order
+                    if kern == "dq":  # the whole op (flash_msa/fused.py): the window adds to compressed attention's dq
+                        const["ACC"] = kind == "window"
+                    opts = {n: v for n, v in opts.items() if not n.isupper()}
                     out.append((f"range_{kern} {kind}{' local' if local else ''} G={G}", fn,
                                 {n: types[n] for n in names},
                                 dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BM=bm, BN=bn, LOCAL=local, **const),

@@ -3,7 +3,9 @@
 Times, side by side in one run, candidate tiles of
   * range attention (kernels/flash_msa/window/window.py) as compressed attention ("cmp": the
     packed compressed rows, long ranges) and as the sliding window ("window", w=512): the
-    forward, and the backward (delta + dq + dk/dv) with one kernel's tiles changed at a time;
+    forward, and the backward (delta + dq + dk/dv) with one kernel's tiles changed at a time; the
+    window also as the whole op runs it with fmsa ("window_local": with selected attention's two
+    local blocks);
   * compression phi (kernels/flash_msa/compression/compress.py): rows per program of its
     forward, dx and dW kernels, forward + backward with the MLP;
   * the fused top-n selection (kernels/flash_msa/compression/topk.py): tokens per program,
@@ -40,14 +42,14 @@ def cfg(bm, bn, w, s, **sched):
 
 RANGE_CANDIDATES = {
     "fwd": [cfg(128, 64, 8, 2), cfg(128, 64, 8, 3), cfg(128, 64, 4, 3), cfg(128, 128, 8, 2), cfg(64, 64, 4, 3),
-            cfg(128, 32, 4, 3), cfg(64, 128, 4, 2)],
+            cfg(128, 32, 4, 3), cfg(64, 128, 4, 2), cfg(64, 32, 4, 3), cfg(128, 32, 8, 3)],
     "dq": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 3), cfg(128, 64, 8, 2), cfg(128, 32, 8, 2), cfg(64, 32, 4, 3),
            cfg(128, 64, 8, 3), cfg(128, 128, 8, 2)],
     # Tiles were swept in tune_h200*.md / tune_h200_dkdv2.log; the schedule (rows up or down,
     # programs head- or tile-major; window.DKDV_DESC) in tune_h200_dkdv_schedule.md, after which
     # the head-major order was removed. DESC=0 / DESC=1: the other row order than the kind's.
     "dkdv": [cfg(64, 64, 4, 2), cfg(64, 64, 4, 2, DESC=False), cfg(64, 64, 4, 2, DESC=True), cfg(128, 64, 8, 2),
-             cfg(64, 64, 4, 3)],
+             cfg(64, 64, 4, 3), cfg(64, 32, 4, 2), cfg(64, 64, 8, 2)],
 }
 
 
@@ -77,12 +79,36 @@ def bench(fn, args):
     return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
 
 
-def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit):
+def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit, local=None):
+    """``local`` = (mid, qmid): the window as the whole op runs it with fmsa (flash_msa/fused.py), its
+    kernels also computing selected attention's two local blocks (o_loc / lse_loc forward, their
+    softmax's gradients backward), with delta given and dq added to (op name ``window_local``)."""
     from flash_msa.window import window as w
     lo, hi, qlo, qhi = ranges
+    op = kind if local is None else f"{kind}_local"
     w.TILE_OVERRIDE = {}
-    o0, lse0 = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
-    ref = (o0, *w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind))
+
+    def fwd():
+        if local is None:
+            return w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
+        o_loc, lse_loc = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        o, lse = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind, local=(local[0], o_loc, lse_loc))
+        return o, lse, o_loc, lse_loc
+
+    f0 = fwd()
+    o0, lse0 = f0[:2]
+    if local is None:
+        def bwd():
+            return w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind)
+    else:
+        delta = (o0.float() * do.float()).sum(-1)
+        delta2 = (f0[2].float() * do.float()).sum(-1)
+        dq0 = torch.randn_like(q)  # the other branches' dq, which the window adds to
+
+        def bwd():
+            return w.range_attention_bwd(q, kk, vv, None, lse0, do, None, lo, hi, qlo, qhi, scale, kind, delta=delta,
+                                         dq=dq0.clone(), local=(local[0], local[1], f0[3], delta2))
+    ref = (f0, bwd())
     for kernel, cands in RANGE_CANDIDATES.items():
         if kernel not in args.range_kernels.split(","):
             continue
@@ -91,18 +117,16 @@ def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit):
             name = f"BM={cand[0]} BN={cand[1]} warps={cand[2]['num_warps']} stages={cand[2]['num_stages']}"
             name += "".join(f" {n}={int(v)}" for n, v in cand[2].items() if n.isupper())
             try:
-                o, lse = w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
                 if kernel == "fwd":
-                    err = rel_rms(o, ref[0])
-                    fn = lambda: w.range_attention_fwd(q, kk, vv, lo, hi, scale, kind)
+                    err = max(rel_rms(a, b) for a, b in zip(fwd(), ref[0]) if a.dtype != torch.float32)
+                    fn = fwd
                 else:
-                    grads = w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind)
-                    err = max(rel_rms(g, r) for g, r in zip(grads, ref[1:]))
-                    fn = lambda: w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind)
+                    err = max(rel_rms(g, r) for g, r in zip(bwd(), ref[1]))
+                    fn = bwd
                 ms = bench(fn, args) if err <= 2e-2 else None
-                emit(dict(op=f"{kind}_{kernel}", config=name, ms=ms, err=err))
+                emit(dict(op=f"{op}_{kernel}", config=name, ms=ms, err=err))
             except Exception as e:  # a candidate that does not compile (shared memory) is reported, not fatal
-                emit(dict(op=f"{kind}_{kernel}", config=name, ms=None, err=None, error=f"{type(e).__name__}: {str(e)[:160]}"))
+                emit(dict(op=f"{op}_{kernel}", config=name, ms=None, err=None, error=f"{type(e).__name__}: {str(e)[:160]}"))
     w.TILE_OVERRIDE = {}
 
 
@@ -139,7 +163,10 @@ COMPRESS_CANDIDATES = [None,  # the shipped settings; keys in upper case set mod
                        dict(dw=(32, dict(num_warps=4, num_stages=2))),
                        dict(DW_MAX_SPLITS=1),  # dW / dproj in one pass over the rows (before the splits)
                        dict(DW_MAX_SPLITS=8),
-                       dict(DW_MAX_SPLITS=8, dw=(32, dict(num_warps=4, num_stages=2)))]
+                       dict(DW_MAX_SPLITS=8, dw=(32, dict(num_warps=4, num_stages=2))),
+                       dict(dw=(64, dict(num_warps=8, num_stages=3))),
+                       dict(DW_SPLIT_ROWS=2048),
+                       dict(DW_SPLIT_ROWS=512, DW_MAX_SPLITS=8)]
 
 
 def sweep_compress(k, wk, pos, proj, cu, args, emit):
@@ -218,7 +245,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--Ts", default="65536,262144")
     ap.add_argument("--models", default="llama3_8b,qwen3_14b")
-    ap.add_argument("--ops", default="cmp,window,topk,compress")
+    ap.add_argument("--ops", default="cmp,window,topk,compress",
+                    help="any of cmp, window, window_local (the window with fmsa's local blocks, as in the whole op), topk, compress")
     ap.add_argument("--range-kernels", default="fwd,dq,dkdv", help="range-attention kernels to sweep")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rep", type=int, default=50)
@@ -227,7 +255,7 @@ def main():
         sys.exit("tune_nsa.py needs a CUDA GPU")
     from flash_msa.compression.compress import compress_kv
     from flash_msa.compression.compressed_attention import compressed_attention, compressed_ranges
-    from flash_msa.window.window import window_ranges
+    from flash_msa.window.window import local_ranges, window_ranges
 
     os.makedirs(args.out, exist_ok=True)
     dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
@@ -264,6 +292,9 @@ def main():
                             compressed_ranges(cu, cu_cmp, T, k_cmp.shape[0], L, STRIDE), scale, args, emit)
             if "window" in ops:
                 sweep_range("window", q, k, v, do, window_ranges(cu, T, WINDOW), scale, args, emit)
+            if "window_local" in ops:
+                sweep_range("window", q, k, v, do, window_ranges(cu, T, WINDOW), scale, args, emit,
+                            local=local_ranges(cu, T, SLC))
             if "compress" in ops:
                 proj = 0.02 * rnd(gen, HK, D, D)
                 sweep_compress(k, wk, pos, proj, cu, args, emit)

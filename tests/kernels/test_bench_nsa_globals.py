@@ -24,6 +24,10 @@ def test_parse_and_set_globals():
     assert variants == [[(m, "SEG_TILES", 32)], [(m, "BWD_STAGES", 2), (m, "SEG_TILES", 16)]]
     with pytest.raises(ValueError, match="module.NAME=value"):
         b.parse_globals("SEG_TILES")
+    # commas inside brackets belong to the value (tile dicts of TILE_OVERRIDE)
+    w = "flash_msa.window.window"
+    assert b.parse_globals(f"{w}.TILE_OVERRIDE={{'dq': (64, 64, {{'num_warps': 4}})}},{m}.SEG_TILES=8;{m}.X=(1, 2)") == [
+        [(w, "TILE_OVERRIDE", {"dq": (64, 64, {"num_warps": 4})}), (m, "SEG_TILES", 8)], [(m, "X", (1, 2))]]
     seg, stages = fmsa.SEG_TILES, fmsa.BWD_STAGES
     old = b.set_globals(variants[1])
     try:

@@ -379,9 +379,10 @@ DKDV_DESC = {"cmp": True, "window": False}
 TILE_OVERRIDE: dict = {}
 
 
-def _tiles(D: int, device, kind: str) -> dict:
-    """Tile sizes and launch options for ``kind`` ("cmp" or "window"): H200-tuned on CUDA, large
-    tiles for the CPU interpreter."""
+def _tiles(D: int, device, kind: str, local: bool = False) -> dict:
+    """Tile sizes and launch options for ``kind`` ("cmp" or "window"; ``local``: the window with
+    selected attention's local blocks, flash_msa/fused.py): H200-tuned on CUDA, large tiles for the
+    CPU interpreter."""
     BD = max(16, triton.next_power_of_2(D))
     if device.type != "cuda":
         cfg = dict(fwd=(64, 64, {}), dq=(64, 64, {}), dkdv=(64, 64, {}))
@@ -394,6 +395,11 @@ def _tiles(D: int, device, kind: str) -> dict:
     else:  # the window, D=128, same sweep
         cfg = dict(fwd=(128, 32, dict(num_warps=4, num_stages=3)), dq=(128, 64, dict(num_warps=8, num_stages=3)),
                    dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
+        if local:  # with the local blocks, 64-row dq tiles (tune_nsa.py --ops window_local,
+            # benchmarks/results/tune_h200_window_local.md): the window's backward at 64K 5.61
+            # against 5.89 ms (Llama3-8B), 6.94 against 7.52 (Qwen3-14B); without them the two
+            # tiles are even (5.39 / 5.35 ms, tune_h200.md)
+            cfg["dq"] = (64, 64, dict(num_warps=4, num_stages=2))
     cfg.update(TILE_OVERRIDE)
     bm, bn, opts = cfg["dkdv"]
     cfg["dkdv"] = (bm, bn, {"DESC": DKDV_DESC[kind], **opts})  # the kind's row order unless the config sets one
@@ -411,7 +417,7 @@ def range_attention_fwd(q, k, v, lo, hi, scale: float, kind: str = "window", loc
     G = HQ // HK
     o = torch.empty_like(q)
     lse = torch.empty(T, HQ, dtype=torch.float32, device=q.device)
-    cfg = _tiles(D, q.device, kind)
+    cfg = _tiles(D, q.device, kind, local is not None)
     BM, BN, opts = cfg["fwd"]
     grid = (triton.cdiv(T * G, BM), HK)
     mid, o_loc, lse_loc = (hi, o, lse) if local is None else local
@@ -435,7 +441,7 @@ def range_attention_bwd(q, k, v, o, lse, do, dlse, lo, hi, qlo, qhi, scale: floa
     T, HQ, D = q.shape
     Tk, HK = k.shape[:2]
     G = HQ // HK
-    cfg = _tiles(D, q.device, kind)
+    cfg = _tiles(D, q.device, kind, local is not None)
     BD = cfg["BD"]
     if delta is None:
         delta = torch.empty(T, HQ, dtype=torch.float32, device=q.device)

@@ -138,6 +138,19 @@ def _check_against_reference(case, device, gate_values=(), batch=None):
         while fn.name() in ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"):
             fn = fn.next_functions[0][0]
         assert "NSAAttentionFunction" in fn.name()
+    if device == "cuda":
+        # In bf16 the op's compressed keys and lse differ from the reference's by rounding, so top-k
+        # near-ties can flip a row's selection, which moves o by far more than rounding (seen in 1 of
+        # 40 runs of G16-D128: 2.2e-2). So the op's own selection (the one int32 tensor its Function
+        # saved) must match the reference's on nearly every row, and o and the gradients are compared
+        # with the reference run on that selection.
+        idx = [x for x in fn.saved_tensors if x.dtype == torch.int32]
+        assert len(idx) == 1 and idx[0].shape == (T, HK, sizes["slc_topk"])
+        idx = idx[0].view_as(idx_ref)
+        differ = (idx != idx_ref).any(-1).float().mean().item()
+        assert differ <= 0.05, f"the op's selection differs from the reference's on {differ:.1%} of rows"
+        o_ref = reference.nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=scale, k_cmp_proj=kj,
+                                        v_cmp_proj=vj, block_indices=idx, **sizes)
     assert_close("o", o, o_ref, tol)
     do = torch.randn_like(o)
     grads = torch.autograd.grad(o, leaves, do)

@@ -202,4 +202,3 @@ def test_add_head_copies(device, src_layout):
         dense_cmp.add_head_copies(dst.to(torch.float64), src)
     with pytest.raises(ValueError, match="fp32 dst"):
         dense_cmp.add_head_copies(dst, src[:, :5])
-

@@ -37,3 +37,25 @@ def test_inference_tensors_are_computed_not_cached(device):
         w, pos = torch.randn(2, 32 * 16, 16, device=device), torch.randn(2, 32, 16, device=device)
         out, cc = compress_kv(x, w, pos, cu, 32, 16)
         assert out.shape == (100 // 16, 2, 16) and cc.tolist() == [0, 1, 3]
+
+
+def test_dense_batch_cu_seqlens_is_one_tensor_per_shape(device):
+    # cu_seqlens=None (a dense batch) gets the same cu_seqlens object per (B, T, device), so every
+    # layer and call of a dense batch shares the per-batch metadata keyed on it
+    from flash_msa.utils.varlen import default_cu_seqlens, flatten_batch
+    x = torch.randn(2, 50, 2, 16, device=device)
+    _, cu = flatten_batch(x, None)
+    assert cu.tolist() == [0, 50, 100] and cu.dtype == torch.int32 and cu.device == x.device
+    assert flatten_batch(x, None)[1] is cu and default_cu_seqlens(2, 50, x.device) is cu
+    assert default_cu_seqlens(2, 51, x.device) is not cu  # another shape
+    w, pos = torch.randn(2, 32 * 16, 16, device=device), torch.randn(2, 32, 16, device=device)
+    _, cc1 = compress_kv(flatten_batch(x, None)[0], w, pos, flatten_batch(x, None)[1], 32, 16)
+    _, cc2 = compress_kv(flatten_batch(x, None)[0], w, pos, flatten_batch(x, None)[1], 32, 16)
+    assert cc1 is cc2 and cc1.tolist() == [0, 2, 4]
+    cu.add_(0)  # written in place: the next call makes a new tensor, with the right values
+    fresh = default_cu_seqlens(2, 50, x.device)
+    assert fresh is not cu and fresh.tolist() == [0, 50, 100]
+    with torch.inference_mode():
+        inf = default_cu_seqlens(2, 50, x.device)
+        assert inf.is_inference() and inf.tolist() == [0, 50, 100]
+    assert default_cu_seqlens(2, 50, x.device) is fresh  # inference mode did not replace it

@@ -77,6 +77,20 @@ forced and causal blocks: the chunks between, whose compressed rows every token 
 and whose blocks all lie before every token's block but one, run without them (``INTERIOR``), in
 the same order, so the result is the same bit for bit.
 
+The interior chunks are taken two at a time (``PAIR``, the default): each head's query tile is
+loaded once for both chunks' matmuls, and the two folds and sorts, which do not depend on the
+running list or on each other (but for the spill carried from the first into the second), sit side
+by side in one loop body, where the compiler can interleave their long latency-bound chains; the
+two merges then run in chunk order, so the blocks are the same bit for bit (an odd chunk left over
+joins the masked loop, whose masks are no-ops on it). The loop is latency bound: at 64K, with 3
+programs of 4 warps per SM, each scheduler issues about one instruction in five cycles (estimated
+from the loop's SASS instruction count and the kernel's time). Side by side
+(benchmarks/results/tune_h200_topk_pair.md): 3.71 against 3.78 / 3.84 ms at 64K and 57.80 against
+61.48 / 61.03 at 256K for G = 4, 4.38 against 4.49 / 4.55 for G = 5 (the one-at-a-time kernel timed
+first and last), at 27 spill instructions under the 168-register cap (none without the pairs) and
+64 KB of shared memory (48 KB), still 3 programs per SM; caps of 200 and 255 registers (2 programs
+per SM) and 1 or 3 stages were slower.
+
 Memory is O(T * n) for the output; no [T, T/d] score matrix exists anywhere. The first n keys
 of the list are the top n; they are written ascending by block, -1 padded (the reference
 order). Supports l <= l' with l'/d a power of two (a compressed token spans at most two
@@ -282,6 +296,105 @@ def _shift_right(x, c, BT: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
 
 
 @triton.jit
+def _chunk_cols(j0, BC: tl.constexpr, SLC: tl.constexpr, STRIDE: tl.constexpr, PERM: tl.constexpr):
+    # [BC] compressed tokens (relative) whose blocks start in the chunk of blocks [j0, j0 + NB)
+    o_cc = tl.arange(0, BC)
+    if PERM:  # column c = 32 j1 + 16 j0 + 8 r1 + 4 j3 + 2 j2 + r0 holds offset r of block j (NB = 16, R = 4)
+        o_c = (j0 + ((o_cc >> 4) & 1) + ((o_cc >> 5) & 1) * 2 + ((o_cc >> 1) & 1) * 4 + ((o_cc >> 2) & 1) * 8) * 4 \
+            + (o_cc & 1) + ((o_cc >> 3) & 1) * 2
+    else:
+        o_c = j0 * (SLC // STRIDE) + o_cc
+    return o_c
+
+
+@triton.jit
+def _chunk_fold(b_p, b_carry, o_nb, w_in, w_out, o_prev, BT: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
+                SLC: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr, PERM: tl.constexpr, FOLD4: tl.constexpr):
+    # step 2: the chunk's probabilities b_p [BT, BC] -> its block scores [BT, NB] and the spill of its
+    # last block into the next chunk
+    if PERM:  # columns back in (block, offset) order: a relabelling, no data moves
+        b_p3 = tl.reshape(tl.permute(tl.reshape(b_p, [BT, 2, 2, 2, 2, 2, 2]), [0, 4, 5, 1, 2, 3, 6]), [BT, NB, 4])
+    else:
+        b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
+    if FOLD4:  # R = 4 with PERM: the offsets split apart in registers, constant weights
+        b_in, b_out = _fold_r4(b_p3, BT, NB, STRIDE, BLOCK)
+    else:
+        b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
+        b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
+    # block j receives block j - 1's spill (the chunk's first block the carry)
+    if PERM:
+        b_sc = b_in + _shift_right(b_out, b_carry, BT, NB, LOG_NB)
+    else:
+        b_prev = tl.gather(b_out, o_prev, 1)
+        b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
+    b_carry = tl.sum(tl.where(o_nb[None, :] == NB - 1, b_out, 0.), 1)  # [BT]
+    return b_sc, b_carry
+
+
+@triton.jit
+def _chunk_keys(b_sc, j0, m_t, own, o_nb, BT: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
+                TL_SORT: tl.constexpr, MASK: tl.constexpr, KEY32: tl.constexpr, LOG_BT: tl.constexpr,
+                HYBRID: tl.constexpr):
+    # step 3 up to the merge (independent of the running list): the chunk's block scores b_sc
+    # [BT, NB] -> its keys, sorted ascending
+    o_j = j0 + o_nb  # [NB] blocks of the chunk
+    if MASK:  # forced blocks
+        m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
+        b_sc = tl.where(m_forced, float("inf"), b_sc)
+    if KEY32:
+        # int32 keys: the score's bits with the low LOG_NB + 1 bits replaced by a priority, NB-1-j for
+        # the chunk's j-th block (the merge gives the list's entries 2NB-1-i), so that equal truncated
+        # scores go to the lower block
+        b_key = (b_sc.to(tl.int32, bitcast=True) & -(2 * NB)) | (NB - 1 - o_nb)[None, :]
+    else:
+        b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-o_j[None, :] + _LOW).to(tl.int64)
+    if MASK:  # blocks after the own block, and tokens past the sequence
+        b_key = tl.where((o_j[None, :] <= own[:, None]) & m_t[:, None], b_key, -1)
+    # merge, first half: the chunk sorted ascending. Triton's network: 2-3 layout conversions
+    # instead of 25-26 (kernel_resources_sm90.md)
+    if HYBRID:
+        b_key = _sort_hybrid(b_key, BT, LOG_NB, LOG_BT, 2)
+    elif TL_SORT:
+        b_key = tl.sort(b_key)
+    else:
+        b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
+    return b_key
+
+
+@triton.jit
+def _chunk_merge(b_top, b_blk, b_key, j0, o_nb, BT: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
+                 TL_SORT: tl.constexpr, KEY32: tl.constexpr, KV: tl.constexpr, LOG_BT: tl.constexpr,
+                 HYBRID: tl.constexpr):
+    # merge, second half: the running list (descending; KEY32: blocks in b_blk) and the chunk's
+    # sorted keys b_key -> their elementwise max is a bitonic sequence holding the top NB of both
+    # (the first step of a bitonic merge); sort it
+    if KEY32:  # the list's priorities: 2NB-1-i for its i-th entry, whose blocks all precede the chunk's
+        b_top = tl.where(b_top >= 0, (b_top & -(2 * NB)) | (2 * NB - 1 - o_nb)[None, :], -1)
+    if KV:
+        # blocks carried through the merge beside their keys: the chunk's from its sorted keys'
+        # priorities, the list's from b_blk (no gather)
+        b_list = b_top > b_key
+        b_blk = tl.where(b_list, b_blk, j0 + NB - 1 - (b_key & (2 * NB - 1)))
+        if HYBRID:
+            b_top, b_blk = _merge_desc_kv_hybrid(tl.where(b_list, b_top, b_key), b_blk, BT, LOG_NB, LOG_BT, 2)
+        elif TL_SORT:
+            b_top, b_blk = _merge_desc_kv(tl.where(b_list, b_top, b_key), b_blk, BT, NB, LOG_BT, LOG_NB)
+        else:
+            b_top, b_blk = _merge_desc_kv_split(tl.where(b_list, b_top, b_key), b_blk, BT, LOG_NB)
+        b_blk = tl.where(b_top >= 0, b_blk, -1)
+    elif TL_SORT:
+        b_top = tl.bitonic_merge(tl.maximum(b_top, b_key), descending=True)
+    else:
+        b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
+    if KEY32 and not KV:
+        b_pr = b_top & (2 * NB - 1)
+        b_from_list = b_pr >= NB
+        b_old = tl.gather(b_blk, tl.where(b_from_list, 2 * NB - 1 - b_pr, 0), 1)
+        b_blk = tl.where(b_top >= 0, tl.where(b_from_list, b_old, j0 + NB - 1 - b_pr), -1)
+    return b_top, b_blk
+
+
+@triton.jit
 def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb,
                   w_in, w_out, o_prev, b_qs, b_lses, n_vis_r, scale2,
                   HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -290,12 +403,7 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
                   MASK: tl.constexpr, KEY32: tl.constexpr, PERM: tl.constexpr, KV: tl.constexpr,
                   LOG_BT: tl.constexpr, HYBRID: tl.constexpr, BLOCK: tl.constexpr, FOLD4: tl.constexpr):
     # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller)
-    o_cc = tl.arange(0, BC)
-    if PERM:  # column c = 32 j1 + 16 j0 + 8 r1 + 4 j3 + 2 j2 + r0 holds offset r of block j (NB = 16, R = 4)
-        o_c = (j0 + ((o_cc >> 4) & 1) + ((o_cc >> 5) & 1) * 2 + ((o_cc >> 1) & 1) * 4 + ((o_cc >> 2) & 1) * 8) * 4 \
-            + (o_cc & 1) + ((o_cc >> 3) & 1) * 2
-    else:
-        o_c = j0 * (SLC // STRIDE) + o_cc  # [BC] compressed tokens (relative) starting in the chunk
+    o_c = _chunk_cols(j0, BC, SLC, STRIDE, PERM)
     p_k = k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :]
     if MASK:
         b_k = tl.load(p_k, mask=(o_c < n_vis_max)[:, None] & m_d[None, :], other=0.)  # [BC, BD]
@@ -319,67 +427,46 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
                 b_p += tl.where(o_c[None, :] < n_vis[:, None], tl.exp2(b_s - b_lse[:, None]), 0.)
             else:
                 b_p += tl.exp2(b_s - b_lse[:, None])
-    o_j = j0 + o_nb  # [NB] blocks of the chunk
-    if PERM:  # columns back in (block, offset) order: a relabelling, no data moves
-        b_p3 = tl.reshape(tl.permute(tl.reshape(b_p, [BT, 2, 2, 2, 2, 2, 2]), [0, 4, 5, 1, 2, 3, 6]), [BT, NB, 4])
-    else:
-        b_p3 = tl.reshape(b_p, [BT, NB, SLC // STRIDE])
-    if FOLD4:  # R = 4 with PERM: the offsets split apart in registers, constant weights
-        b_in, b_out = _fold_r4(b_p3, BT, NB, STRIDE, BLOCK)
-    else:
-        b_in = tl.sum(b_p3 * w_in[None, None, :], 2)  # [BT, NB]
-        b_out = tl.sum(b_p3 * w_out[None, None, :], 2)  # [BT, NB], spill of block j into j + 1
-    # block j receives block j - 1's spill (the chunk's first block the carry)
-    if PERM:
-        b_sc = b_in + _shift_right(b_out, b_carry, BT, NB, LOG_NB)
-    else:
-        b_prev = tl.gather(b_out, o_prev, 1)
-        b_sc = b_in + tl.where(o_nb[None, :] == 0, b_carry[:, None], b_prev)
-    b_carry = tl.sum(tl.where(o_nb[None, :] == NB - 1, b_out, 0.), 1)  # [BT]
-    if MASK:  # forced blocks
-        m_forced = (o_j[None, :] == 0) | (o_j[None, :] == own[:, None]) | (o_j[None, :] == own[:, None] - 1)
-        b_sc = tl.where(m_forced, float("inf"), b_sc)
-    if KEY32:
-        # int32 keys: the score's bits with the low LOG_NB + 1 bits replaced by a priority, 2NB-1-i
-        # for the list's i-th entry (its blocks all precede the chunk's, best first) and NB-1-j for
-        # the chunk's j-th block, so that equal truncated scores go to the lower block; b_blk holds
-        # the list's blocks, found again from the priorities after the merge
-        b_key = (b_sc.to(tl.int32, bitcast=True) & -(2 * NB)) | (NB - 1 - o_nb)[None, :]
-        b_top = tl.where(b_top >= 0, (b_top & -(2 * NB)) | (2 * NB - 1 - o_nb)[None, :], -1)
-    else:
-        b_key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-o_j[None, :] + _LOW).to(tl.int64)
-    if MASK:  # blocks after the own block, and tokens past the sequence
-        b_key = tl.where((o_j[None, :] <= own[:, None]) & m_t[:, None], b_key, -1)
-    # merge: running list descending, chunk ascending -> their elementwise max is a bitonic
-    # sequence holding the top NB of both (the first step of a bitonic merge); sort it. Triton's
-    # network: 2-3 layout conversions instead of 25-26 (kernel_resources_sm90.md)
-    if HYBRID:
-        b_key = _sort_hybrid(b_key, BT, LOG_NB, LOG_BT, 2)
-    elif TL_SORT:
-        b_key = tl.sort(b_key)
-    else:
-        b_key = _bitonic_sort(b_key, BT, LOG_NB, 0)
-    if KV:
-        # blocks carried through the merge beside their keys: the chunk's from its sorted keys'
-        # priorities, the list's from b_blk (no gather)
-        b_list = b_top > b_key
-        b_blk = tl.where(b_list, b_blk, j0 + NB - 1 - (b_key & (2 * NB - 1)))
-        if HYBRID:
-            b_top, b_blk = _merge_desc_kv_hybrid(tl.where(b_list, b_top, b_key), b_blk, BT, LOG_NB, LOG_BT, 2)
-        elif TL_SORT:
-            b_top, b_blk = _merge_desc_kv(tl.where(b_list, b_top, b_key), b_blk, BT, NB, LOG_BT, LOG_NB)
-        else:
-            b_top, b_blk = _merge_desc_kv_split(tl.where(b_list, b_top, b_key), b_blk, BT, LOG_NB)
-        b_blk = tl.where(b_top >= 0, b_blk, -1)
-    elif TL_SORT:
-        b_top = tl.bitonic_merge(tl.maximum(b_top, b_key), descending=True)
-    else:
-        b_top = _bitonic_merge_desc(tl.maximum(b_top, b_key), BT, LOG_NB)
-    if KEY32 and not KV:
-        b_pr = b_top & (2 * NB - 1)
-        b_from_list = b_pr >= NB
-        b_old = tl.gather(b_blk, tl.where(b_from_list, 2 * NB - 1 - b_pr, 0), 1)
-        b_blk = tl.where(b_top >= 0, tl.where(b_from_list, b_old, j0 + NB - 1 - b_pr), -1)
+    b_sc, b_carry = _chunk_fold(b_p, b_carry, o_nb, w_in, w_out, o_prev, BT, NB, LOG_NB, SLC, STRIDE, BLOCK, PERM, FOLD4)
+    b_key = _chunk_keys(b_sc, j0, m_t, own, o_nb, BT, NB, LOG_NB, TL_SORT, MASK, KEY32, LOG_BT, HYBRID)
+    b_top, b_blk = _chunk_merge(b_top, b_blk, b_key, j0, o_nb, BT, NB, LOG_NB, TL_SORT, KEY32, KV, LOG_BT, HYBRID)
+    return b_top, b_blk, b_carry
+
+
+@triton.jit
+def _select_chunk_pair(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, own, row0, i_h, o_d, m_d, o_nb,
+                       w_in, w_out, o_prev, scale2,
+                       HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                       STRIDE: tl.constexpr, SLC: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
+                       BT: tl.constexpr, BC: tl.constexpr, TL_SORT: tl.constexpr, KEY32: tl.constexpr,
+                       PERM: tl.constexpr, KV: tl.constexpr, LOG_BT: tl.constexpr, HYBRID: tl.constexpr,
+                       BLOCK: tl.constexpr, FOLD4: tl.constexpr):
+    # two interior chunks, blocks [j0, j0 + 2 NB), in one step (PAIR): each head's query tile is
+    # loaded once for both, and the two chunks' folds and sorts are independent of each other and
+    # of the list, so they can interleave; then the two merges, in chunk order (the same keys as
+    # two _select_chunk calls, bit for bit)
+    o_ca = _chunk_cols(j0, BC, SLC, STRIDE, PERM)
+    o_cb = _chunk_cols(j0 + NB, BC, SLC, STRIDE, PERM)
+    b_ka = tl.load(k + ((row0 + o_ca) * HK + i_h)[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0.)
+    b_kb = tl.load(k + ((row0 + o_cb) * HK + i_h)[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0.)
+    b_pa = tl.zeros([BT, BC], dtype=tl.float32)
+    b_pb = tl.zeros([BT, BC], dtype=tl.float32)
+    for i_g in range(G):
+        o_hq = i_h * G + i_g
+        b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :],
+                      mask=m_t[:, None] & m_d[None, :], other=0.)  # [BT, BD]
+        b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E  # [BT]
+        b_pa += tl.exp2(tl.dot(b_q, tl.trans(b_ka)) * scale2 - b_lse[:, None])
+        b_pb += tl.exp2(tl.dot(b_q, tl.trans(b_kb)) * scale2 - b_lse[:, None])
+    b_sca, b_carry = _chunk_fold(b_pa, b_carry, o_nb, w_in, w_out, o_prev, BT, NB, LOG_NB, SLC, STRIDE, BLOCK, PERM,
+                                 FOLD4)
+    b_scb, b_carry = _chunk_fold(b_pb, b_carry, o_nb, w_in, w_out, o_prev, BT, NB, LOG_NB, SLC, STRIDE, BLOCK, PERM,
+                                 FOLD4)
+    b_key_a = _chunk_keys(b_sca, j0, m_t, own, o_nb, BT, NB, LOG_NB, TL_SORT, False, KEY32, LOG_BT, HYBRID)
+    b_key_b = _chunk_keys(b_scb, j0 + NB, m_t, own, o_nb, BT, NB, LOG_NB, TL_SORT, False, KEY32, LOG_BT, HYBRID)
+    b_top, b_blk = _chunk_merge(b_top, b_blk, b_key_a, j0, o_nb, BT, NB, LOG_NB, TL_SORT, KEY32, KV, LOG_BT, HYBRID)
+    b_top, b_blk = _chunk_merge(b_top, b_blk, b_key_b, j0 + NB, o_nb, BT, NB, LOG_NB, TL_SORT, KEY32, KV, LOG_BT,
+                                HYBRID)
     return b_top, b_blk, b_carry
 
 
@@ -391,7 +478,7 @@ def select_blocks_kernel(
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, INTERIOR: tl.constexpr,
     KEY32: tl.constexpr, PERM: tl.constexpr, KV: tl.constexpr, LOG_BT: tl.constexpr, HYBRID: tl.constexpr,
-    FOLD4: tl.constexpr,
+    FOLD4: tl.constexpr, PAIR: tl.constexpr,
 ):
     # the table from its end: the tiles whose tokens see the most blocks start first
     i_p, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -451,11 +538,19 @@ def select_blocks_kernel(
                 b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
                 w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
                 STACK, TL_SORT, True, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
-        for c in range(1, c_in):
-            b_top, b_blk, b_carry = _select_chunk(
-                b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
-                w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, False, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
+        if PAIR:  # interior chunks two at a time; an odd one left joins the masked loop below
+            for c in range(1, c_in - 1, 2):
+                b_top, b_blk, b_carry = _select_chunk_pair(
+                    b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, own, row0, i_h, o_d, m_d, o_nb, w_in, w_out,
+                    o_prev, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, TL_SORT, KEY32, PERM, KV,
+                    LOG_BT, HYBRID, BLOCK, FOLD4)
+            c_in = tl.maximum(c_in - (c_in - 1) % 2, 1)
+        else:
+            for c in range(1, c_in):
+                b_top, b_blk, b_carry = _select_chunk(
+                    b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d,
+                    o_nb, w_in, w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB,
+                    BT, BC, GP, STACK, TL_SORT, False, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
     else:
         c_in = 0
     for c in range(c_in, n_chunks):
@@ -525,6 +620,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
     interior = cfg.get("interior", True)
+    pair = cfg.get("pair", False) and interior and not stack
     key32 = cfg.get("key32", True)
     perm, kv, hybrid, fold4 = layout_flags(cfg, NB, r)
     BD = max(16, triton.next_power_of_2(D))
@@ -534,16 +630,17 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
         NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, INTERIOR=interior, KEY32=key32,
-        PERM=perm, KV=kv, LOG_BT=BT.bit_length() - 1, HYBRID=hybrid, FOLD4=fold4, **opts)
+        PERM=perm, KV=kv, LOG_BT=BT.bit_length() - 1, HYBRID=hybrid, FOLD4=fold4, PAIR=pair, **opts)
     return out
 
 
 # Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior", "key32", "perm", "kv",
-# "hybrid", "fold") that replace _launch's; tests and scripts/tune_nsa.py set them. "interior" False
+# "hybrid", "fold", "pair") that replace _launch's; tests and scripts/tune_nsa.py set them. "interior" False
 # runs every chunk with the masks; "key32" False the exact int64 keys (module docstring, step 3);
 # "perm" False the score columns in plain order; "kv" False the gather of the blocks after the merge
 # (int32 keys only); "hybrid" True the hybrid network (with PERM and KV; _launch sets it on the
-# GPU); "fold" False the generic fold. "perm", "kv" and "fold" default to True (PERM applies at
+# GPU); "fold" False the generic fold; "pair" True the interior chunks two at a time
+# (_select_chunk_pair; with "interior" and per-head matmuls). "perm", "kv" and "fold" default to True (PERM applies at
 # n <= 16 with l'/d = 4 only).
 LAUNCH_OVERRIDE: dict = {}
 
@@ -565,7 +662,7 @@ def _launch(device) -> dict:
         # our network under the CPU interpreter: Triton's runs 7.7x slower there (181 against 24 s
         # for the top-k tests); tests/kernels/compression/test_topk.py checks that both pick the
         # same blocks, bit for bit
-        return dict(BT=32, stack=False, key32=True, opts={})
+        return dict(BT=32, stack=False, key32=True, pair=True, opts={})
     # benchmarks/results/tune_h200_topk_sort.md: Triton's sort network with 64 tokens per program,
     # one matmul per head, wins at every group size measured: 8.05 ms against 8.49 (our network,
     # stacked heads) at 64K and 123.3 against 130.3 at 256K for G=4; 8.57 against 9.80 at 64K for
@@ -579,5 +676,9 @@ def _launch(device) -> dict:
     # (tune_h200_topk_perm2.md)
     # The hybrid network and the constant-weight fold (module docstring) took 3.97 -> 3.79 ms at 64K
     # and 64.0 -> 59.0 at 256K for G=4, 4.70 -> 4.49 for G=5, the same blocks (tune_h200_topk_hybrid.md)
-    return dict(BT=64, stack=False, tl_sort=True, key32=True, hybrid=True,
+    # The interior chunks two at a time (pair, module docstring): 3.71 against 3.78 / 3.84 ms at 64K
+    # and 57.80 against 61.48 / 61.03 at 256K for G=4, 4.38 against 4.49 / 4.55 for G=5 (the shipped
+    # settings timed first and last), the same blocks; other register caps and stages lost
+    # (tune_h200_topk_pair.md)
+    return dict(BT=64, stack=False, tl_sort=True, key32=True, hybrid=True, pair=True,
                 opts=dict(num_warps=4, num_stages=2, maxnreg=168))

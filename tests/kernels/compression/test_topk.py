@@ -181,6 +181,27 @@ def test_select_blocks_hybrid_network_agrees(device, monkeypatch):
     assert torch.equal(picked[0], picked[1])
 
 
+@pytest.mark.parametrize("sizes,cu_list", [((16, 16, 16), [0, 40, 1300, 1317]), ((32, 16, 64), [0, 37, 4300])],
+                         ids=["plain-columns", "nsa-defaults"])
+def test_select_blocks_paired_interior_chunks_agree(sizes, cu_list, device, monkeypatch):
+    """Interior chunks taken two at a time (``pair``: one query load per head for both, the two
+    folds and sorts side by side, then the two merges in order) pick the same blocks, bit for bit,
+    as one at a time, each the reference's up to near-ties: tiles with odd and even numbers of
+    interior chunks, beside a short sequence, with the plain column order (l' = d) and at the NSA
+    defaults (PERM, with the hybrid network on the GPU)."""
+    from flash_msa.compression import topk
+    l, d, lp = sizes
+    base = dict(topk._launch(torch.device(device)), BT=64 if device == "cuda" else 16)
+    picked = []
+    for pair in (True, False):
+        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(base, pair=pair))
+        torch.manual_seed(0)
+        picked.append(_check(cu_list, 3, 1, 16, 16, lp, device, l=l, d=d))
+    assert torch.equal(picked[0], picked[1])
+    # tiles with 2 and 3 interior chunks exist: the long sequence's last tiles see at least 5 chunks
+    assert (cu_list[2] - cu_list[1]) // lp >= 4 * 16 + 2
+
+
 @pytest.mark.parametrize("stack", [False, True], ids=["loop", "stacked"])
 def test_select_blocks_key_widths_agree(stack, device, monkeypatch):
     """int32 keys (score bits truncated to make room for a priority; the default) and the exact

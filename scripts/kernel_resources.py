@@ -136,16 +136,21 @@ def cases():
         key32 = cfg.get("key32", True)
         # the shipped sort network and keys, the other network, the other key width (int32 / int64)
         hybrid = cfg.get("hybrid", False)
-        for tl_sort, k32, hyb in ((shipped, key32, hybrid), (not shipped, key32, False), (shipped, not key32, False),
-                                  (shipped, key32, not hybrid)):
+        # and the interior chunks one or two at a time ("pair")
+        pair = cfg.get("pair", False)
+        for tl_sort, k32, hyb, pr in ((shipped, key32, hybrid, pair), (not shipped, key32, False, pair),
+                                      (shipped, not key32, False, pair), (shipped, key32, not hybrid, pair),
+                                      (shipped, key32, hybrid, not pair)):
             perm, kv, hyb, fold4 = topk.layout_flags(dict(cfg, key32=k32, hybrid=hyb), 16, 4)
             name = (f"select_blocks{' tl_sort' if tl_sort else ' own-sort'}{'' if k32 == key32 else ' key32' if k32 else ' key64'}"
-                    f"{'' if hyb == hybrid else ' hybrid' if hyb else ' no-hybrid'}")
+                    f"{'' if hyb == hybrid else ' hybrid' if hyb else ' no-hybrid'}"
+                    f"{'' if pr == pair else ' pair' if pr else ' no-pair'}")
             out.append((f"{name} G={G}", topk.select_blocks_kernel,
                         sig, dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16,
                                   LOG_NB=4, BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"],
                                   TL_SORT=tl_sort, INTERIOR=cfg.get("interior", True), KEY32=k32,
-                                  PERM=perm, KV=kv, LOG_BT=cfg["BT"].bit_length() - 1, HYBRID=hyb, FOLD4=fold4),
+                                  PERM=perm, KV=kv, LOG_BT=cfg["BT"].bit_length() - 1, HYBRID=hyb, FOLD4=fold4,
+                                  PAIR=pr and cfg.get("interior", True) and not cfg["stack"]),
                         (), cfg["opts"]))
         for kind in ("cmp", "window"):
             for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F, o_loc=B, lse_loc=F)),

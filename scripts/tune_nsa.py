@@ -62,12 +62,15 @@ TOPK_CANDIDATES = [None,  # the shipped settings; tiles, sort networks and regis
                    # tune_h200_topk_sort.md and tune_h200_topk_maxnreg.md, the overlap fold and the
                    # tile order in tune_h200_topk_fold.md and tune_h200_dkdv_schedule.md, the
                    # interior chunks in tune_h200_topk_interior.md, int32 keys in tune_h200_topk_key32.md and
-                   # tune_h200_topk_key32_launch.md, the permuted score columns in tune_h200_topk_perm2.md
-                   topk_cfg(64, 4, 2, 168, key32=True, hybrid=False),
-                   topk_cfg(64, 4, 2, 168, key32=True, hybrid=False, fold=False),
-                   topk_cfg(64, 4, 2, 168, key32=True, hybrid=True, fold=False),
-                   topk_cfg(64, 4, 2, 160, key32=True, hybrid=True), topk_cfg(64, 4, 2, 176, key32=True, hybrid=True),
-                   topk_cfg(64, 4, 1, 168, key32=True, hybrid=True), topk_cfg(64, 4, 3, 168, key32=True, hybrid=True)]
+                   # tune_h200_topk_key32_launch.md, the permuted score columns in tune_h200_topk_perm2.md,
+                   # the hybrid network and the constant-weight fold in tune_h200_topk_hybrid.md.
+                   # Interior chunks two at a time ("pair") under several register caps and stages:
+                   topk_cfg(64, 4, 2, 168, key32=True, hybrid=True, pair=True),
+                   topk_cfg(64, 4, 2, 200, key32=True, hybrid=True, pair=True),
+                   topk_cfg(64, 4, 2, 255, key32=True, hybrid=True, pair=True),
+                   topk_cfg(64, 4, 3, 168, key32=True, hybrid=True, pair=True),
+                   topk_cfg(64, 4, 1, 168, key32=True, hybrid=True, pair=True),
+                   topk_cfg(64, 4, 2, 168, key32=True, hybrid=True, pair=False)]  # the shipped again, last
 
 
 def rnd(gen, *shape):  # random bf16, never zero
@@ -144,8 +147,8 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
                                                + (f" maxnreg={cand['opts']['maxnreg']}" if "maxnreg" in cand["opts"] else "")
                                                + (f" interior={int(cand['interior'])}" if "interior" in cand else "")
                                                + ((" key32" if cand["key32"] else " key64") if "key32" in cand else "")
-                                               + "".join(f" {o}={int(cand[o])}" for o in ("perm", "kv", "hybrid", "fold")
-                                                         if o in cand))
+                                               + "".join(f" {o}={int(cand[o])}" for o in ("perm", "kv", "hybrid", "fold",
+                                                                                           "pair") if o in cand))
         try:
             idx = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
             same = (idx == ref).all(-1).float().mean().item()

@@ -84,10 +84,10 @@ by side in one loop body, where the compiler can interleave their long latency-b
 two merges then run in chunk order, so the blocks are the same bit for bit (an odd chunk left over
 joins the masked loop, whose masks are no-ops on it). The loop is latency bound: at 64K, with 3
 programs of 4 warps per SM, each scheduler issues about one instruction in five cycles (estimated
-from the loop's SASS instruction count and the kernel's time). Side by side
-(benchmarks/results/tune_h200_topk_pair.md): 3.71 against 3.78 / 3.84 ms at 64K and 57.80 against
-61.48 / 61.03 at 256K for G = 4, 4.38 against 4.49 / 4.55 for G = 5 (the one-at-a-time kernel timed
-first and last), at 27 spill instructions under the 168-register cap (none without the pairs) and
+from the loop's SASS instruction count and the kernel's time). Side by side in two runs
+(benchmarks/results/tune_h200_topk_pair.md, each kernel timed twice per run): 3.64-3.71 against
+3.78-3.84 ms at 64K and 57.80-59.03 against 60.60-61.48 at 256K for G = 4, 4.31-4.40 against
+4.46-4.58 for G = 5, at 27 spill instructions under the 168-register cap (none without the pairs) and
 64 KB of shared memory (48 KB), still 3 programs per SM; caps of 200 and 255 registers (2 programs
 per SM) and 1 or 3 stages were slower.
 
@@ -676,9 +676,8 @@ def _launch(device) -> dict:
     # (tune_h200_topk_perm2.md)
     # The hybrid network and the constant-weight fold (module docstring) took 3.97 -> 3.79 ms at 64K
     # and 64.0 -> 59.0 at 256K for G=4, 4.70 -> 4.49 for G=5, the same blocks (tune_h200_topk_hybrid.md)
-    # The interior chunks two at a time (pair, module docstring): 3.71 against 3.78 / 3.84 ms at 64K
-    # and 57.80 against 61.48 / 61.03 at 256K for G=4, 4.38 against 4.49 / 4.55 for G=5 (the shipped
-    # settings timed first and last), the same blocks; other register caps and stages lost
-    # (tune_h200_topk_pair.md)
+    # The interior chunks two at a time (pair, module docstring): 3.64-3.71 against 3.78-3.84 ms at
+    # 64K and 57.80-59.03 against 60.60-61.48 at 256K for G=4, 4.31-4.40 against 4.46-4.58 for G=5 (two
+    # runs), the same blocks; other register caps and stages lost (tune_h200_topk_pair.md)
     return dict(BT=64, stack=False, tl_sort=True, key32=True, hybrid=True, pair=True,
                 opts=dict(num_warps=4, num_stages=2, maxnreg=168))

@@ -308,6 +308,13 @@ def _chunk_cols(j0, BC: tl.constexpr, SLC: tl.constexpr, STRIDE: tl.constexpr, P
 
 
 @triton.jit
+def _head_rows(q, lse, o_t, m_t, o_d, m_d, o_hq, HQ: tl.constexpr, D: tl.constexpr):
+    # query head o_hq's rows of the tile [BT, BD] and their lse in log2 units [BT]
+    b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :], other=0.)
+    return b_q, tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E
+
+
+@triton.jit
 def _chunk_fold(b_p, b_carry, o_nb, w_in, w_out, o_prev, BT: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
                 SLC: tl.constexpr, STRIDE: tl.constexpr, BLOCK: tl.constexpr, PERM: tl.constexpr, FOLD4: tl.constexpr):
     # step 2: the chunk's probabilities b_p [BT, BC] -> its block scores [BT, NB] and the spill of its
@@ -418,10 +425,7 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
     else:
         b_p = tl.zeros([BT, BC], dtype=tl.float32)
         for i_g in range(G):
-            o_hq = i_h * G + i_g
-            b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :],
-                          mask=m_t[:, None] & m_d[None, :], other=0.)  # [BT, BD]
-            b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E  # [BT]
+            b_q, b_lse = _head_rows(q, lse, o_t, m_t, o_d, m_d, i_h * G + i_g, HQ, D)
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
             if MASK:
                 b_p += tl.where(o_c[None, :] < n_vis[:, None], tl.exp2(b_s - b_lse[:, None]), 0.)
@@ -452,10 +456,7 @@ def _select_chunk_pair(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, own, row0
     b_pa = tl.zeros([BT, BC], dtype=tl.float32)
     b_pb = tl.zeros([BT, BC], dtype=tl.float32)
     for i_g in range(G):
-        o_hq = i_h * G + i_g
-        b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :],
-                      mask=m_t[:, None] & m_d[None, :], other=0.)  # [BT, BD]
-        b_lse = tl.load(lse + o_t * HQ + o_hq, mask=m_t, other=0.) * _LOG2E  # [BT]
+        b_q, b_lse = _head_rows(q, lse, o_t, m_t, o_d, m_d, i_h * G + i_g, HQ, D)
         b_pa += tl.exp2(tl.dot(b_q, tl.trans(b_ka)) * scale2 - b_lse[:, None])
         b_pb += tl.exp2(tl.dot(b_q, tl.trans(b_kb)) * scale2 - b_lse[:, None])
     b_sca, b_carry = _chunk_fold(b_pa, b_carry, o_nb, w_in, w_out, o_prev, BT, NB, LOG_NB, SLC, STRIDE, BLOCK, PERM,

@@ -59,3 +59,9 @@ def test_dense_batch_cu_seqlens_is_one_tensor_per_shape(device):
         inf = default_cu_seqlens(2, 50, x.device)
         assert inf.is_inference() and inf.tolist() == [0, 50, 100]
     assert default_cu_seqlens(2, 50, x.device) is fresh  # inference mode did not replace it
+    others = [default_cu_seqlens(1, 10 + i, x.device) for i in range(7)]  # 8 shapes held now
+    assert default_cu_seqlens(2, 50, x.device) is fresh  # a use makes it the most recent...
+    default_cu_seqlens(1, 99, x.device)  # ...so the 9th shape drops the least recently used, (1, 10)
+    assert default_cu_seqlens(2, 50, x.device) is fresh and default_cu_seqlens(1, 10, x.device) is not others[0]
+    if x.device.type == "cuda":  # "cuda" means the current device
+        assert default_cu_seqlens(2, 50, "cuda") is fresh

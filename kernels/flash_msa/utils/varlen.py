@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 
-_DEFAULT_CU: dict = {}  # (B, T, device) -> the cu_seqlens tensor default_cu_seqlens returns for them
+_DEFAULT_CU: dict = {}  # (B, T, device) -> the cu_seqlens tensor default_cu_seqlens returns for them, oldest use first
 _DEFAULT_CU_SIZE = 8
 
 
@@ -19,22 +19,24 @@ def default_cu_seqlens(B: int, T: int, device: torch.device) -> torch.Tensor:
     The same tensor object for the same (B, T, device) while nobody writes to it: the index
     metadata :func:`flash_msa.utils.cache.per_batch` derives from cu_seqlens is then computed
     once for all layers and calls of a dense batch, as for a packed batch's own cu_seqlens. A
-    fresh tensor per call cost the whole NSA op about 40 small kernels and their launches per
-    call (benchmarks/results/nsa_host_h200.md). Treat it as read-only; an in-place write is seen
-    (``_version``) and the next call makes a new one. Inside ``torch.inference_mode`` a fresh
-    tensor every time (an inference tensor cannot be reused outside it, and per_batch does not
-    cache them).
+    fresh tensor per call cost the whole NSA op about 190 small kernels and their launches per
+    call at 8K (benchmarks/results/nsa_host_h200.md). Treat it as read-only; an in-place write is
+    seen (``_version``) and the next call makes a new one. A fresh tensor every time inside
+    ``torch.inference_mode`` (an inference tensor cannot be reused outside it, and per_batch does
+    not cache them) and during CUDA graph capture (a captured tensor is filled only on replay).
     """
-    if torch.is_inference_mode_enabled():
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if torch.is_inference_mode_enabled() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
-    key = (B, T, torch.device(device))
-    cu = _DEFAULT_CU.get(key)
+    key = (B, T, device)
+    cu = _DEFAULT_CU.pop(key, None)  # re-inserted below: the most recently used last
     if cu is None or cu._version != 0:
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
-        _DEFAULT_CU.pop(key, None)
-        _DEFAULT_CU[key] = cu
-        while len(_DEFAULT_CU) > _DEFAULT_CU_SIZE:  # the oldest first
-            del _DEFAULT_CU[next(iter(_DEFAULT_CU))]
+    _DEFAULT_CU[key] = cu
+    while len(_DEFAULT_CU) > _DEFAULT_CU_SIZE:  # the least recently used first
+        del _DEFAULT_CU[next(iter(_DEFAULT_CU))]
     return cu
 
 

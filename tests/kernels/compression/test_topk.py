@@ -192,14 +192,38 @@ def test_select_blocks_paired_interior_chunks_agree(sizes, cu_list, device, monk
     from flash_msa.compression import topk
     l, d, lp = sizes
     base = dict(topk._launch(torch.device(device)), BT=64 if device == "cuda" else 16)
+    launched = []
+
+    class Spy:  # records the PAIR each launch gets
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append(kwargs["PAIR"])
+                return self.kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(topk, "select_blocks_kernel", Spy(topk.select_blocks_kernel))
     picked = []
     for pair in (True, False):
         monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(base, pair=pair))
         torch.manual_seed(0)
         picked.append(_check(cu_list, 3, 1, 16, 16, lp, device, l=l, d=d))
+    assert launched == [True, False]
     assert torch.equal(picked[0], picked[1])
-    # tiles with 2 and 3 interior chunks exist: the long sequence's last tiles see at least 5 chunks
-    assert (cu_list[2] - cu_list[1]) // lp >= 4 * 16 + 2
+    # the tiles' interior chunk counts (the kernel's c_in - 1) include both an even and an odd count >= 2
+    NB, BT, BC = 16, base["BT"], 16 * lp // d
+    counts = set()
+    for s0, s1 in zip(cu_list, cu_list[1:]):
+        for t0 in range(s0, s1, BT):
+            t_rel = torch.arange(t0, min(t0 + BT, s1)) - s0
+            n_vis = torch.where(t_rel >= l - 1, (t_rel - l + 1) // d + 1, 0)
+            own = t_rel // lp
+            n_chunks = -(-(int(own.max()) + 1) // NB)
+            c_in = max(min(int(n_vis.min()) // BC, max(int(own.min()) - 1, 0) // NB, n_chunks), 1)
+            counts.add(c_in - 1)
+    assert {2, 3} <= counts
 
 
 @pytest.mark.parametrize("stack", [False, True], ids=["loop", "stacked"])

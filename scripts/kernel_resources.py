@@ -87,12 +87,9 @@ def cases():
              dict(H=8, D=128, BLOCK=32, STRIDE=16, BC=tiles["dx"][0], MLP=True, PREC=None)),
             ("prep", compress.compress_bwd_prep_kernel,
              dict(do=B, hid=F, proj=B, valid=U8, dh=B, Tc="i32"), dict(H=8, D=128, BC=tiles["prep"][0], PREC=None)),
-            ("dw", compress.compress_bwd_dw_kernel,
-             dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32", rows_per_split="i32"),
-             dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], PREC=None, PROJ=False)),
-            ("dproj", compress.compress_bwd_dw_kernel,
-             dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32", rows_per_split="i32"),
-             dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], PREC=None, PROJ=True))):
+            *(("dproj" if proj else "dw", compress.compress_bwd_dw_kernel,
+               dict(x=B, dh=B, do=B, hid=F, dw=F, dproj=F, first_key=L64, valid=U8, Tc="i32", rows_per_split="i32"),
+               dict(H=8, D=128, BLOCK=32, BC=tiles["dw"][0], PREC=None, PROJ=proj)) for proj in (False, True))):
         out.append((f"compress_{kern}", fn, sig, const, (), tiles["dw" if kern == "dproj" else kern][1]))
     # the gated combination's forward and the whole op's backward of it (flash_msa/fused.py)
     BD, BR, opts = gates._launch(128, torch.device("cuda"))

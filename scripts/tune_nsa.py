@@ -84,6 +84,7 @@ def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit, local=None):
     """``local`` = (mid, qmid): the window as the whole op runs it with fmsa (flash_msa/fused.py), its
     kernels also computing selected attention's two local blocks (o_loc / lse_loc forward, their
     softmax's gradients backward), with delta given and dq added to (op name ``window_local``)."""
+    from flash_msa.selection.fmsa import attention_delta
     from flash_msa.window import window as w
     lo, hi, qlo, qhi = ranges
     op = kind if local is None else f"{kind}_local"
@@ -102,8 +103,7 @@ def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit, local=None):
         def bwd(check=True):
             return w.range_attention_bwd(q, kk, vv, o0, lse0, do, None, lo, hi, qlo, qhi, scale, kind)
     else:
-        delta = (o0.float() * do.float()).sum(-1)
-        delta2 = (f0[2].float() * do.float()).sum(-1)
+        delta, delta2 = attention_delta(o0, do), attention_delta(f0[2], do)
         dq0 = torch.randn_like(q)  # the other branches' dq, which the window adds to
         dq_run = torch.empty_like(q)  # what the timed calls add to (their sums are never read)
 

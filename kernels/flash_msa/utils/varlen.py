@@ -28,15 +28,16 @@ def default_cu_seqlens(B: int, T: int, device: torch.device) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if torch.is_inference_mode_enabled() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+    cached = not (torch.is_inference_mode_enabled()
+                  or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     key = (B, T, device)
-    cu = _DEFAULT_CU.pop(key, None)  # re-inserted below: the most recently used last
+    cu = _DEFAULT_CU.pop(key, None) if cached else None  # re-inserted below: the most recently used last
     if cu is None or cu._version != 0:
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
-    _DEFAULT_CU[key] = cu
-    while len(_DEFAULT_CU) > _DEFAULT_CU_SIZE:  # the least recently used first
-        del _DEFAULT_CU[next(iter(_DEFAULT_CU))]
+    if cached:
+        _DEFAULT_CU[key] = cu
+        while len(_DEFAULT_CU) > _DEFAULT_CU_SIZE:  # the least recently used first
+            del _DEFAULT_CU[next(iter(_DEFAULT_CU))]
     return cu
 
 

@@ -213,7 +213,7 @@ def variants(T, G, D, S, bs, device):
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
              "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG",
-             "PARTIAL_BUDGET_PER_TOKEN", "FWD_GLUON", "FWD_GLUON_MAXNREG", "FWD_GLUON_OUT_MMA", "CSR_ROWS")
+             "PARTIAL_BUDGET_PER_TOKEN")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -236,9 +236,12 @@ def variants(T, G, D, S, bs, device):
     # Partition budgets (384 MiB then, now 768; 1536 MiB: one chunk per KV head at 64K) and 64-row
     # backward tiles on 4 warps (two programs per SM, with spills): selected_variants11_h200.log,
     # run at commit 37ca19b with 384 MiB shipped. The shipped settings are timed again last.
-    gluon = [{"CSR_ROWS": True}, {"CSR_ROWS": True, "FWD_TILES": 8}]
-    fwd_variants = [{}, *gluon, {}, *gluon]
-    bwd_variants = []
+    # The forward's main kernel in Gluon with the next tile's gather in flight, and partial outputs in
+    # CSR order, both no faster: selected_variants12_h200.log (commit 1d5a797's variants).
+    budgets = [{"PARTIAL_BUDGET": 384 << 20}, {"PARTIAL_BUDGET": 1536 << 20, "PARTIAL_BUDGET_PER_TOKEN": 24 << 10}]
+    fwd_variants = [{}, *budgets, {}]
+    bwd_variants = [{}, *budgets, {"BWD_BM": 64, "BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4, "SEG_TILES": 128},
+                    {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 2}, {}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

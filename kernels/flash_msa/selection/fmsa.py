@@ -39,7 +39,6 @@ import triton.language as tl
 
 from flash_msa.utils.csr import (
     SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule)
-from flash_msa.selection import fmsa_gluon
 from flash_msa.utils.varlen import flatten_batch
 
 LOG2E = 1.4426950408889634
@@ -86,9 +85,9 @@ def _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK: tl.constexpr, G: tl.constexp
 
 
 @triton.jit
-def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2, p0,
+def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2,
               HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-              HKG: tl.constexpr, CSR_ROWS: tl.constexpr):
+              HKG: tl.constexpr):
     # rows o_r [BM] of one key against its block's K/V [BS, D]: partial output and lse
     o_d = tl.arange(0, D)
     m_r = o_r < n_rows
@@ -110,10 +109,7 @@ def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0
     b_p = tl.exp2(b_s - b_m[:, None])
     b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
     b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]  # [BM, D] normalised partial output
-    if CSR_ROWS:  # the partition's entries in CSR order: a key's rows are consecutive
-        o_p = (i_e0 - p0) * G + o_r
-    else:
-        o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)  # [BM]
+    o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)  # [BM]
     tl.store(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
     tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
 
@@ -123,7 +119,7 @@ def fmsa_fwd_kernel(
     q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first,
     block_start, block_end, k_lo, c0, hk0, NB, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr, CSR_ROWS: tl.constexpr = False,
+    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr,
 ):
     # One program per group of NT*BM rows of one key (the schedule's "tiles" are these groups):
     # the block's K/V are loaded once, then NT row tiles of BM rows. The partition's keys are
@@ -140,19 +136,17 @@ def fmsa_fwd_kernel(
     o_k, m_k, p_kv = _block_keys(block_start, block_end, i_key % NB, i_hk, HK, D, BS)
     b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
     b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
-    p0 = tl.load(key_offsets + k_lo)
     for i_j in range(NT):
         if r0 + i_j * BM < n_rows:
             _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
-                      i_hk, c0, hk0, scale2, p0, HQ, HK, G, S, D, HKG, CSR_ROWS)
+                      i_hk, c0, hk0, scale2, HQ, HK, G, S, D, HKG)
 
 
 @triton.jit
 def fmsa_merge_kernel(
-    po, plse, o, lse, block_indices, tok_start, c0, hk0, T, entry_pos, key_offsets, k_lo,
+    po, plse, o, lse, block_indices, tok_start, c0, hk0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr, HKG: tl.constexpr, LOCAL: tl.constexpr,
-    CSR_ROWS: tl.constexpr = False,
 ):
     # LOCAL > 0: the token's last LOCAL blocks are not in the partials (the CSR left them out);
     # o / lse hold their partial output and lse (log2) on entry, written by the window kernel
@@ -169,12 +163,9 @@ def fmsa_merge_kernel(
     o_s = tl.arange(0, BSS)
     b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + o_s, mask=o_s < S, other=-1)
     m_sv = (b_idx >= 0) & (b_idx <= own - LOCAL)
+    o_row = ((i_t - c0) * HKG + tl.program_id(1)) * S  # first partial entry of this (token, KV head)
     m_sg = m_sv[:, None] & m_g[None, :]
-    if CSR_ROWS:  # partial entry of each slot: its CSR position in the partition
-        b_pos = tl.load(entry_pos + (i_t * HK + i_hk) * S + o_s, mask=m_sv, other=0) - tl.load(key_offsets + k_lo)
-    else:
-        b_pos = ((i_t - c0) * HKG + tl.program_id(1)) * S + o_s  # first partial entry of this (token, KV head)
-    b_lse = tl.load(plse + b_pos[:, None] * G + o_g[None, :], mask=m_sg, other=float("-inf"))
+    b_lse = tl.load(plse + (o_row + o_s)[:, None] * G + o_g[None, :], mask=m_sg, other=float("-inf"))
     b_m = tl.max(b_lse, 0)  # [BG]
     o_h = i_t * HQ + i_hk * G + o_g
     if LOCAL > 0:
@@ -192,11 +183,7 @@ def fmsa_merge_kernel(
     for i_s in tl.static_range(S):
         b_iv = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64))  # [BG], one value
         m_v = (b_iv >= 0) & (b_iv <= own - LOCAL) & m_g
-        if CSR_ROWS:
-            b_ps = tl.load(entry_pos + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64), mask=m_v, other=0)
-            o_p = (b_ps - tl.load(key_offsets + k_lo)) * G + o_g
-        else:
-            o_p = (((i_t - c0) * HKG + tl.program_id(1)) * S + i_s) * G + o_g  # [BG]
+        o_p = (o_row + i_s) * G + o_g  # [BG]
         b_w = tl.exp2(tl.load(plse + o_p, mask=m_v, other=float("-inf")) - b_m)
         b_o = tl.load(po + o_p[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
         b_acc += b_o * b_w[:, None]
@@ -388,12 +375,6 @@ FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
 # (selected_variants_h200.log, fourth run); with them, uncapped 10.00 against 9.35 ms at G=4
 # and 11.87 against 11.37 at G=5 (selected_variants4_h200.log).
 FWD_MAXNREG = 128
-# The forward's main kernel in Gluon on Hopper (selection/fmsa_gluon.py: the next row tile's query
-# gather in flight while a tile computes), where it takes the inputs; FWD_GLUON_MAXNREG its register cap.
-FWD_GLUON = False
-FWD_GLUON_MAXNREG = 0
-FWD_GLUON_OUT_MMA = False
-CSR_ROWS = False
 # BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
 # load ahead, so the next tile's q/do gather, double-buffered, needs no second round trip): forward +
 # backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5
@@ -516,34 +497,21 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
     else:
         o = torch.empty_like(q)
         lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
-    gluon = FWD_GLUON and BM == 64 and fmsa_gluon.supported(q, meta.block_size)
-    csr_rows = CSR_ROWS and not gluon
-    entry_pos = csr.entry_ids
-    if csr_rows:  # CSR position of every entry (the inverse of the sort's order)
-        entry_pos = torch.empty_like(csr.entry_ids)
-        entry_pos[csr.entry_ids.long()] = torch.arange(csr.entry_ids.numel(), device=q.device, dtype=torch.int32)
     rows = partition_rows(T, Tc, HKG, G, S)
     po = torch.empty(rows, D, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         entries = min(Tc, T - c0) * HKG * S
-        grid = (tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)
-        args = (q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
-                meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E)
-        const = dict(HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG)
-        if CSR_ROWS and not gluon:
-            const["CSR_ROWS"] = True
-        if gluon:
-            fmsa_gluon.fmsa_fwd_gluon_kernel[grid](*args, **const, OUT_MMA=FWD_GLUON_OUT_MMA, num_warps=4,
-                                                  **_reg_cap(FWD_GLUON_MAXNREG, q))
-        else:
-            fmsa_fwd_kernel[grid](*args, **const, num_warps=FWD_WARPS,
-                                  num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
-                                  **_reg_cap(FWD_MAXNREG, q))
+        fmsa_fwd_kernel[(tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)](
+            q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
+            meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG,
+            num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
+            **_reg_cap(FWD_MAXNREG, q))
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
-            po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T, entry_pos, csr.key_offsets, k_lo,
+            po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, CSR_ROWS=csr_rows, num_warps=_merge_warps(G))
+            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, num_warps=_merge_warps(G))
     return o, lse
 
 

@@ -85,9 +85,9 @@ def _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK: tl.constexpr, G: tl.constexp
 
 
 @triton.jit
-def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2, T,
+def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2,
               HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-              HKG: tl.constexpr, QHM: tl.constexpr):
+              HKG: tl.constexpr):
     # rows o_r [BM] of one key against its block's K/V [BS, D]: partial output and lse
     o_d = tl.arange(0, D)
     m_r = o_r < n_rows
@@ -99,10 +99,7 @@ def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0
     b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids
     b_t = b_e // (HK * S)  # [BM] query tokens
     b_g = o_r % G
-    if QHM:  # q head-major [HK, T, G, D]: one KV head's rows in one contiguous region
-        o_h = (i_hk.to(tl.int64) * T + b_t) * G + b_g
-    else:
-        o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q
+    o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q
     b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
     b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
     # keys after the query are masked; a valid entry always keeps the block's first key
@@ -122,7 +119,7 @@ def fmsa_fwd_kernel(
     q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first,
     block_start, block_end, k_lo, c0, hk0, NB, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr, QHM: tl.constexpr = False, T=1,
+    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr,
 ):
     # One program per group of NT*BM rows of one key (the schedule's "tiles" are these groups):
     # the block's K/V are loaded once, then NT row tiles of BM rows. The partition's keys are
@@ -142,7 +139,7 @@ def fmsa_fwd_kernel(
     for i_j in range(NT):
         if r0 + i_j * BM < n_rows:
             _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
-                      i_hk, c0, hk0, scale2, T, HQ, HK, G, S, D, HKG, QHM)
+                      i_hk, c0, hk0, scale2, HQ, HK, G, S, D, HKG)
 
 
 @triton.jit
@@ -213,7 +210,6 @@ def fmsa_bwd_dkdv_kernel(
     k_lo, c0, hk0, NB, scale2, scale,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, SEG: tl.constexpr, WRITE_DQ: tl.constexpr, HKG: tl.constexpr,
-    QHM: tl.constexpr = False, T=1,
 ):
     # one program per segment of at most SEG rows of one key, so that a block selected by
     # every query (block 0) is spread over many programs instead of serialising the launch.
@@ -243,12 +239,8 @@ def fmsa_bwd_dkdv_kernel(
         b_t = b_e // (HK * S)
         b_g = o_r % G
         o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g  # [BM] rows of q, do, lse, delta
-        if QHM:  # q, do head-major [HK, T, G, D]
-            o_hm = (i_hk.to(tl.int64) * T + b_t) * G + b_g
-        else:
-            o_hm = o_h
-        b_q = tl.load(q + o_hm[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)  # [BM, D]
-        b_do = tl.load(do + o_hm[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
+        b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)  # [BM, D]
+        b_do = tl.load(do + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
         b_lse = tl.load(lse + o_h, mask=m_r, other=0.)
         b_delta = tl.load(delta + o_h, mask=m_r, other=0.)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BM, BS]
@@ -391,8 +383,6 @@ FWD_MAXNREG = 128
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 3
 # Register cap of the dk/dv kernel (0: none; the compiler then takes 255 at every tile size measured)
 BWD_MAXNREG = 0
-QHM_FWD = False
-QHM_BWD = False
 # Warps of a merge program (one token, the G heads of one KV head: a [G, D] tile per slot). One
 # warp for G <= 8, where a program's 16 slot loads then take 16-byte vectors per thread: forward
 # at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
@@ -507,16 +497,15 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
     else:
         o = torch.empty_like(q)
         lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
-    q_g = q.view(T, HK, G, D).transpose(0, 1).contiguous() if QHM_FWD else q
     rows = partition_rows(T, Tc, HKG, G, S)
     po = torch.empty(rows, D, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         entries = min(Tc, T - c0) * HKG * S
         fmsa_fwd_kernel[(tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)](
-            q_g, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
+            q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG, QHM=QHM_FWD, T=T,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG,
             num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
             **_reg_cap(FWD_MAXNREG, q))
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
@@ -556,9 +545,6 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
                 raise ValueError(f"dkv's {name} must be a contiguous {k.dtype} tensor of k's shape {tuple(k.shape)}, "
                                  f"got {tuple(x.shape)} {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}")
     write_dq = dq_partial is not None
-    q_g, do_g = q, do
-    if QHM_BWD:
-        q_g, do_g = (x.view(T, HK, G, D).transpose(0, 1).contiguous() for x in (q, do))
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         if i_c == 0:
             dk_acc.zero_()
@@ -566,10 +552,10 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
         nbc = chunk_blocks(csr, i_c)
         entries = min(Tc, T - c0) * HKG * S
         fmsa_bwd_dkdv_kernel[(tile_bound(entries, G, SEG, HKG * nbc),)](
-            q_g, k, v, do_g, lse, delta, dk_acc, dv_acc, dkp, dvp, dq_partial if write_dq else dk_acc,
+            q, k, v, do, lse, delta, dk_acc, dv_acc, dkp, dvp, dq_partial if write_dq else dk_acc,
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG, QHM=QHM_BWD, T=T,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
             num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
         final = i_c == csr.num_chunks - 1  # these KV heads are done: the sums of every block go to dk, dv
         n_red = NB if final else nbc  # (the last chunk's nbc is NB too)

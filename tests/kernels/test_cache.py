@@ -65,3 +65,9 @@ def test_dense_batch_cu_seqlens_is_one_tensor_per_shape(device):
     assert default_cu_seqlens(2, 50, x.device) is fresh and default_cu_seqlens(1, 10, x.device) is not others[0]
     if x.device.type == "cuda":  # "cuda" means the current device
         assert default_cu_seqlens(2, 50, "cuda") is fresh
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # another stream: its own tensor, reused on that stream
+            on_side = default_cu_seqlens(2, 50, x.device)
+            assert on_side is not fresh and default_cu_seqlens(2, 50, x.device) is on_side
+        torch.cuda.current_stream().wait_stream(side)
+        assert on_side.tolist() == [0, 50, 100] and default_cu_seqlens(2, 50, x.device) is fresh

@@ -9,14 +9,14 @@ from typing import Optional
 import torch
 
 
-_DEFAULT_CU: dict = {}  # (B, T, device) -> the cu_seqlens tensor default_cu_seqlens returns for them, oldest use first
+_DEFAULT_CU: dict = {}  # (B, T, device, stream) -> the cu_seqlens tensor default_cu_seqlens returns, oldest use first
 _DEFAULT_CU_SIZE = 8
 
 
 def default_cu_seqlens(B: int, T: int, device: torch.device) -> torch.Tensor:
     """The cu_seqlens of a dense batch [B, T] flattened to one packed stream of B*T tokens.
 
-    The same tensor object for the same (B, T, device) while nobody writes to it: the index
+    The same tensor object for the same (B, T, device) and CUDA stream while nobody writes to it: the index
     metadata :func:`flash_msa.utils.cache.per_batch` derives from cu_seqlens is then computed
     once for all layers and calls of a dense batch, as for a packed batch's own cu_seqlens. A
     fresh tensor per call cost the whole NSA op about 190 small kernels and their launches per
@@ -24,13 +24,16 @@ def default_cu_seqlens(B: int, T: int, device: torch.device) -> torch.Tensor:
     seen (``_version``) and the next call makes a new one. A fresh tensor every time inside
     ``torch.inference_mode`` (an inference tensor cannot be reused outside it, and per_batch does
     not cache them) and during CUDA graph capture (a captured tensor is filled only on replay).
+    One tensor per stream: the caching allocator ties a tensor's memory to the stream it was
+    made on, so one made on stream A and evicted (freed) while work queued on stream B still
+    reads it could be handed out again to a kernel on A before that work has run.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     cached = not (torch.is_inference_mode_enabled()
                   or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
-    key = (B, T, device)
+    key = (B, T, device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
     cu = _DEFAULT_CU.pop(key, None) if cached else None  # re-inserted below: the most recently used last
     if cu is None or cu._version != 0:
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)

@@ -213,7 +213,7 @@ def variants(T, G, D, S, bs, device):
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
              "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG",
-             "PARTIAL_BUDGET_PER_TOKEN", "BWD_GLUON")
+             "PARTIAL_BUDGET_PER_TOKEN")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -239,8 +239,12 @@ def variants(T, G, D, S, bs, device):
     # The forward's main kernel in Gluon with the next tile's gather in flight, and partial outputs in
     # CSR order, both no faster: selected_variants12_h200.log (commit 1d5a797's variants).
     # q and do gathered from a head-major copy, slower: selected_variants13_h200.log (commit 8d05cf2's).
-    fwd_variants = []
-    bwd_variants = [{}, {"BWD_GLUON": True}, {"BWD_GLUON": True, "SEG_TILES": 32}, {}, {"BWD_GLUON": True}]
+    # The dk/dv kernel in Gluon (transposed scores, async wgmma, gathers in flight), slower:
+    # selected_variants14_h200.log (commit 92e0c1c's).
+    budgets = [{"PARTIAL_BUDGET": 384 << 20}, {"PARTIAL_BUDGET": 1536 << 20, "PARTIAL_BUDGET_PER_TOKEN": 24 << 10}]
+    fwd_variants = [{}, *budgets, {}]
+    bwd_variants = [{}, *budgets, {"BWD_BM": 64, "BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4, "SEG_TILES": 128},
+                    {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 2}, {}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

@@ -147,7 +147,7 @@ def cases():
                                   LOG_NB=4, BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"],
                                   TL_SORT=tl_sort, INTERIOR=cfg.get("interior", True), KEY32=k32,
                                   PERM=perm, KV=kv, LOG_BT=cfg["BT"].bit_length() - 1, HYBRID=hyb, FOLD4=fold4,
-                                  PAIR=pr and cfg.get("interior", True) and not cfg["stack"]),
+                                  PAIR=topk.pair_flag(dict(cfg, pair=pr))),
                         (), cfg["opts"]))
         for kind in ("cmp", "window"):
             for kern, fn, extra in (("fwd", w.range_attn_fwd_kernel, dict(o=B, lse=F, o_loc=B, lse_loc=F)),

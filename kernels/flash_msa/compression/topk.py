@@ -308,6 +308,12 @@ def _chunk_cols(j0, BC: tl.constexpr, SLC: tl.constexpr, STRIDE: tl.constexpr, P
 
 
 @triton.jit
+def _chunk_k(k, row0, o_c, i_h, o_d, m_kd, HK: tl.constexpr, D: tl.constexpr):
+    # the keys [BC, BD] of KV head i_h's compressed rows row0 + o_c (masked by m_kd)
+    return tl.load(k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :], mask=m_kd, other=0.)
+
+
+@triton.jit
 def _head_rows(q, lse, o_t, m_t, o_d, m_d, o_hq, HQ: tl.constexpr, D: tl.constexpr):
     # query head o_hq's rows of the tile [BT, BD] and their lse in log2 units [BT]
     b_q = tl.load(q + (o_t * HQ + o_hq)[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :], other=0.)
@@ -411,11 +417,10 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
                   LOG_BT: tl.constexpr, HYBRID: tl.constexpr, BLOCK: tl.constexpr, FOLD4: tl.constexpr):
     # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller)
     o_c = _chunk_cols(j0, BC, SLC, STRIDE, PERM)
-    p_k = k + ((row0 + o_c) * HK + i_h)[:, None] * D + o_d[None, :]
     if MASK:
-        b_k = tl.load(p_k, mask=(o_c < n_vis_max)[:, None] & m_d[None, :], other=0.)  # [BC, BD]
+        b_k = _chunk_k(k, row0, o_c, i_h, o_d, (o_c < n_vis_max)[:, None] & m_d[None, :], HK, D)  # [BC, BD]
     else:
-        b_k = tl.load(p_k, mask=m_d[None, :], other=0.)
+        b_k = _chunk_k(k, row0, o_c, i_h, o_d, m_d[None, :], HK, D)
     if STACK:
         b_s = tl.dot(b_qs, tl.trans(b_k)) * scale2  # [BT*GP, BC]
         b_ps = tl.exp2(b_s - b_lses[:, None])
@@ -451,8 +456,8 @@ def _select_chunk_pair(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, own, row0
     # two _select_chunk calls, bit for bit)
     o_ca = _chunk_cols(j0, BC, SLC, STRIDE, PERM)
     o_cb = _chunk_cols(j0 + NB, BC, SLC, STRIDE, PERM)
-    b_ka = tl.load(k + ((row0 + o_ca) * HK + i_h)[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0.)
-    b_kb = tl.load(k + ((row0 + o_cb) * HK + i_h)[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0.)
+    b_ka = _chunk_k(k, row0, o_ca, i_h, o_d, m_d[None, :], HK, D)
+    b_kb = _chunk_k(k, row0, o_cb, i_h, o_d, m_d[None, :], HK, D)
     b_pa = tl.zeros([BT, BC], dtype=tl.float32)
     b_pb = tl.zeros([BT, BC], dtype=tl.float32)
     for i_g in range(G):
@@ -621,7 +626,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
     interior = cfg.get("interior", True)
-    pair = cfg.get("pair", False) and interior and not stack
+    pair = pair_flag(cfg)
     key32 = cfg.get("key32", True)
     perm, kv, hybrid, fold4 = layout_flags(cfg, NB, r)
     BD = max(16, triton.next_power_of_2(D))
@@ -654,6 +659,12 @@ def layout_flags(cfg: dict, NB: int, r: int) -> tuple[bool, bool, bool, bool]:
     perm = cfg.get("perm", True) and NB == 16 and r == 4
     kv = cfg.get("kv", True) and cfg.get("key32", True)
     return perm, kv, perm and kv and cfg.get("hybrid", False), perm and cfg.get("fold", True)
+
+
+def pair_flag(cfg: dict) -> bool:
+    """PAIR of launch settings ``cfg``: "pair" (default False), which needs the interior chunks
+    ("interior") and per-head matmuls (not "stack"; _select_chunk_pair)."""
+    return cfg.get("pair", False) and cfg.get("interior", True) and not cfg["stack"]
 
 
 def _launch(device) -> dict:

@@ -77,7 +77,7 @@ class ParallelConfig:
     offload_optimizer: bool = False      # ZeRO >= 1: optimizer state in host memory
     offload_params: bool = False         # ZeRO 3 only: parameters in host memory
     activation_checkpointing: bool = False
-    sp_degree: int = 1                   # sequence parallel degree (Ulysses); only 1 today
+    sp_degree: int = 1                   # sequence parallel degree (Ulysses): ranks per sequence
     backend: str = "auto"                # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     optimizer: str = "torch"             # torch (torch.optim.AdamW) | deepspeed (FusedAdam / cpu_adam, JIT-built)
 
@@ -89,7 +89,7 @@ class ParallelConfig:
             raise ValueError("parallel.offload_optimizer=true needs parallel.zero_stage in 1, 2, 3")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("parallel.offload_params=true needs parallel.zero_stage=3")
-        _choice("parallel.sp_degree", self.sp_degree, (1,))
+        _at_least("parallel.sp_degree", self.sp_degree, 1, "an integer >= 1")
 
 
 @dataclass

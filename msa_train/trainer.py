@@ -86,6 +86,7 @@ class Trainer:
     # ------------------------------------------------------------------ build
     def _build_distributed(self) -> None:
         from msa_train.parallel import build_deepspeed_config, init_distributed
+        from msa_train.parallel.sequence import build_layout
 
         cfg = self.cfg
         self.dist = init_distributed(cfg.train.device, cfg.parallel.backend)
@@ -96,6 +97,9 @@ class Trainer:
         self.bf16 = precision == "bf16"
         self.ds_config = build_deepspeed_config(
             cfg.parallel, cfg.train, world_size=self.dist.world_size, bf16=self.bf16)
+        # data-parallel ranks and sequence-parallel groups (msa_train/parallel/sequence.py)
+        self.layout = build_layout(cfg.parallel.sp_degree, self.dist.rank, self.dist.world_size)
+        self.sp = self.layout.sp
         self.run_dir = Path(cfg.train.output_dir).resolve()
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,8 +111,9 @@ class Trainer:
         cfg = self.cfg
         self.tokenizer = data.build_tokenizer(cfg.data, cfg.model.path)
         self.dataset = data.build_packed_dataset(cfg.data, self.tokenizer, cfg.train.seq_len)
-        self.sampler = data.ResumableSampler(len(self.dataset), seed=cfg.data.seed, rank=self.dist.rank,
-                                             world_size=self.dist.world_size)
+        # the ranks of a sequence-parallel group draw the same sequence (each keeps its shard of it)
+        self.sampler = data.ResumableSampler(len(self.dataset), seed=cfg.data.seed, rank=self.layout.dp_rank,
+                                             world_size=self.layout.dp_size)
         self._sampler_iter = iter(self.sampler)
 
     def _build_model(self) -> None:
@@ -126,6 +131,15 @@ class Trainer:
         # Built directly in the training dtype: DeepSpeed's bf16 optimizer keeps its own fp32 master copy.
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         self.model = build_model(cfg.model, cfg.attention, dtype=dtype, init_context=self._init_context)
+        if self.sp is not None:
+            from msa_train.models import _head_dims
+            from msa_train.parallel.sequence import attach
+
+            num_heads, num_kv_heads, _ = _head_dims(self.model.config)
+            if num_kv_heads % self.sp.size:
+                raise ValueError(f"parallel.sp_degree={self.sp.size} must divide the model's {num_kv_heads} KV heads "
+                                 "(each rank attends with num_kv_heads / sp_degree of them)")
+            attach(self.model, self.sp)
         if len(self.tokenizer) > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
                              f"{self.model.config.vocab_size}: set model.hf_config.vocab_size >= {len(self.tokenizer)}")
@@ -195,10 +209,12 @@ class Trainer:
         input_ids, cu = item["input_ids"], item["cu_seqlens"]
         check_cu_seqlens(cu, 1, input_ids.shape[0], torch.device("cpu"))
         lengths = (cu[1:] - cu[:-1]).double()
+        batch = {"input_ids": input_ids[None], "position_ids": item["position_ids"][None],
+                 "targets": next_token_targets(item["labels"], cu)[None]}
+        if self.sp is not None:  # this rank's tokens; cu_seqlens keeps describing the whole sequence
+            batch = {k: self.sp.shard(v, 1) for k, v in batch.items()}
         return {
-            "input_ids": input_ids[None],
-            "position_ids": item["position_ids"][None],
-            "targets": next_token_targets(item["labels"], cu)[None],
+            **batch,
             "cu_seqlens": cu,
             "max_seqlen": int(item["max_seqlen"]),
             # mean causal context per token, for the MFU's attention FLOPs (host math, no sync)
@@ -240,7 +256,7 @@ class Trainer:
             self.engine.step()
             loss_sum = loss_sum + micro_loss_sum.detach()
         self.step += 1
-        tokens = gas * world * self.cfg.train.seq_len
+        tokens = gas * self.layout.dp_size * self.cfg.train.seq_len  # the ranks of an SP group share sequences
         self.tokens_seen += tokens
         return {"loss_sum": loss_sum, "n_global": n_global, "tokens": tokens, "lr": lr, "grad_norm": grad_norm,
                 "mean_context": sum(m["mean_context"] for m in micro) / gas}
@@ -271,7 +287,8 @@ class Trainer:
         cfg = dataclasses.asdict(self.cfg)
         train = {k: cfg["train"][k] for k in RESUME_TRAIN_KEYS}
         return json.loads(json.dumps({"model": cfg["model"], "attention": cfg["attention"], "data": cfg["data"],
-                                      "train": train, "world_size": self.dist.world_size}, default=str))
+                                      "train": train, "world_size": self.dist.world_size,
+                                      "sp_degree": self.cfg.parallel.sp_degree}, default=str))
 
     def _save(self) -> None:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "recipe": self.cfg.recipe_name,

@@ -220,8 +220,18 @@ class NativeSparseAttention(nn.Module):
             self.gate.bias.fill_(-math.log(2.0))
 
     def forward(self, hidden_states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cu_seqlens: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
-        """hidden_states [B, T, hidden], q [B, T, HQ, D], k/v [B, T, HK, D] -> [B, T, HQ, D]."""
+                cu_seqlens: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                sequence_parallel=None) -> torch.Tensor:
+        """hidden_states [B, T, hidden], q [B, T, HQ, D], k/v [B, T, HK, D] -> [B, T, HQ, D].
+
+        ``sequence_parallel`` (Ulysses; msa_train.parallel.sequence.SequenceParallel or any object
+        with ``rank``, ``size`` and the two exchanges ``to_heads(x, seq_dim, head_dim)`` /
+        ``to_sequence(x, seq_dim, head_dim)``): the inputs hold this rank's T tokens of a sequence
+        of ``size * T`` tokens, and ``cu_seqlens`` describes the whole sequence. The gates are
+        computed on the rank's tokens; q, k, v and the gates are exchanged so that the rank attends
+        over the whole sequence with its ``HQ/size`` query and ``HK/size`` KV heads (the
+        compression parameters of those KV heads), and the output comes back to its tokens.
+        """
         check_tensor("hidden_states", hidden_states, ndim=3, layout="[B, T, hidden]")
         if tuple(hidden_states.shape[:2]) != tuple(q.shape[:2]):
             raise ValueError(f"hidden_states must have shape [B, T, hidden] with B, T of q {tuple(q.shape[:2])}, "
@@ -229,10 +239,22 @@ class NativeSparseAttention(nn.Module):
         B, T = q.shape[:2]
         logits = F.linear(hidden_states, self.gate.weight, self.gate.bias)  # [B, T, 3*HQ]
         gates = torch.sigmoid(logits.float()).view(B, T, 3, self.num_heads).transpose(-1, -2)  # [B, T, HQ, 3]
-        return nsa_attention(q, k, v, gates, self.compress_k.weight, self.compress_k.pos,
-                             self.compress_v.weight, self.compress_v.pos, cu_seqlens=cu_seqlens,
-                             scale=scale, impl=self.impl, k_cmp_proj=self.compress_k.proj,
-                             v_cmp_proj=self.compress_v.proj, **self.sizes)
+        params = [self.compress_k.weight, self.compress_k.pos, self.compress_v.weight, self.compress_v.pos,
+                  self.compress_k.proj, self.compress_v.proj]
+        sp = sequence_parallel
+        if sp is not None and sp.size > 1:
+            if self.num_kv_heads % sp.size:
+                raise ValueError(f"sequence parallelism over {sp.size} ranks needs num_kv_heads ({self.num_kv_heads}) "
+                                 f"to be a multiple of {sp.size}")
+            q, k, v, gates = (sp.to_heads(x, seq_dim=1, head_dim=2) for x in (q, k, v, gates))
+            n = self.num_kv_heads // sp.size
+            params = [p[sp.rank * n:(sp.rank + 1) * n] for p in params]  # this rank's KV heads
+        kw, kp, vw, vp, kj, vj = params
+        o = nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu_seqlens, scale=scale, impl=self.impl,
+                          k_cmp_proj=kj, v_cmp_proj=vj, **self.sizes)
+        if sp is not None and sp.size > 1:
+            o = sp.to_sequence(o, seq_dim=1, head_dim=2)
+        return o
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.sizes.items()) + f", impl={self.impl}"

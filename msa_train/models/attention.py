@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from msa_train.parallel.sequence import SP_ATTR
+
 FULL = "msa_full"
 NSA = "msa_nsa"
 _HIDDEN = "_msa_hidden_states"
@@ -70,9 +72,23 @@ def full_attention_forward(module, query, key, value, attention_mask=None, scali
         cu_seq_lens_q: optional int32 [N+1] document offsets (B == 1); None = one document per row.
         max_length_q: longest document (int), needed by the varlen kernel.
 
+    With sequence parallelism (the module's ``msa_sequence_parallel``, msa_train/parallel/sequence.py)
+    the inputs hold the rank's T tokens and ``cu_seq_lens_q`` the whole sequence: q/k/v are exchanged
+    to all tokens of the rank's heads, and the output back to its tokens.
+
     Returns:
         ([B, T, HQ, D], None)
     """
+    sp = getattr(module, SP_ATTR, None)
+    if sp is None or sp.size == 1:
+        return _full_attention(query, key, value, scaling, cu_seq_lens_q, max_length_q), None
+    query, key, value = (sp.to_heads(x, seq_dim=2, head_dim=1) for x in (query, key, value))
+    out = _full_attention(query, key, value, scaling, cu_seq_lens_q, max_length_q)
+    return sp.to_sequence(out, seq_dim=1, head_dim=2), None
+
+
+def _full_attention(query, key, value, scaling, cu_seq_lens_q, max_length_q) -> torch.Tensor:
+    """query [B, HQ, T, D], key/value [B, HK, T, D] -> [B, T, HQ, D] (see full_attention_forward)."""
     B, HQ, T, D = query.shape
     one_doc = cu_seq_lens_q is None or cu_seq_lens_q.numel() == 2  # shape only: no host sync
     if one_doc:
@@ -93,14 +109,14 @@ def full_attention_forward(module, query, key, value, attention_mask=None, scali
             k, v = _repeat_kv(k, group, 1), _repeat_kv(v, group, 1)
         max_len = int(max_length_q) if max_length_q is not None else T
         o = _varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_len, max_len, **extra)
-        return o.unsqueeze(0), None
+        return o.unsqueeze(0)
     else:
         # CPU fallback: one SDPA per document. On CPU the offsets are host memory, so tolist() is no sync.
         bounds = cu_seq_lens_q.tolist()
         parts = [_sdpa_causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling)
                  for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
         out = torch.cat(parts, dim=2)
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2)
 
 
 def nsa_attention_forward(module, query, key, value, attention_mask=None, scaling: Optional[float] = None,
@@ -122,7 +138,9 @@ def nsa_attention_forward(module, query, key, value, attention_mask=None, scalin
     # The Triton kernels need CUDA; anywhere else the PyTorch reference computes the same function.
     nsa.impl = nsa.requested_impl if query.is_cuda else "reference"
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H, D]
-    o = nsa(hidden, q, k, v, cu_seqlens=cu_seq_lens_q, scale=scaling)
+    # with sequence parallelism the module exchanges q/k/v and its gates itself (NativeSparseAttention.forward)
+    o = nsa(hidden, q, k, v, cu_seqlens=cu_seq_lens_q, scale=scaling,
+            sequence_parallel=getattr(module, SP_ATTR, None))
     return o, None
 
 

@@ -14,6 +14,16 @@ it to ``step_N`` (rename is atomic on POSIX), so a process killed at any moment 
 new checkpoint or none, and the previous one untouched. ``resume=auto`` loads the newest
 ``step_*`` holding ``COMPLETE``.
 
+Nothing complete is deleted in place: a checkpoint that goes (pruned, or replaced by a re-save of
+its step) is first renamed to ``.trash_step_N`` and only then removed, so an interrupted delete
+never leaves a half-deleted ``step_N`` that still carries its ``COMPLETE``. A re-save renames the
+old ``step_N`` away and the new one in, back to back; if a kill falls between the two renames, the
+next start finds a complete ``.tmp_step_N`` without its ``step_N`` and finishes the rename
+(:meth:`CheckpointManager.recover`). Pruning keeps the newest ``keep`` checkpoints up to the step
+just saved and never touches newer ones; the trainer refuses to start over checkpoints newer than
+the one it starts from (:meth:`CheckpointManager.check_no_newer`), so one directory never mixes
+two runs' histories.
+
 Test hook: ``MSA_TRAIN_CRASH_IN_SAVE=<step>`` SIGKILLs the process in the middle of that step's
 write (after the DeepSpeed files, before the marker and the rename).
 """
@@ -32,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp_step_(\d+)$")
 COMPLETE = "COMPLETE"
 DS_TAG = "ds"
 
@@ -71,13 +82,27 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of the complete checkpoints under ``ckpt_root``, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in ckpt_root.iterdir()
+                  if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE).is_file())
+
+
 def find_latest(ckpt_root: Path) -> Optional[Path]:
     """The newest complete checkpoint directory under ``ckpt_root``, or None."""
-    if not ckpt_root.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE).is_file()]
-    return max(found)[1] if found else None
+    found = complete_checkpoints(ckpt_root)
+    return found[-1][1] if found else None
+
+
+def _discard(path: Path) -> None:
+    """Remove a checkpoint directory: out of sight first (one rename), then deleted."""
+    trash = path.with_name(f".trash_{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    _fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 class CheckpointManager:
@@ -92,7 +117,7 @@ class CheckpointManager:
         tmp = self.root / f".tmp_step_{step:06d}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".tmp_step_*"):
+            for stale in [*self.root.glob(".tmp_step_*"), *self.root.glob(".trash_step_*")]:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         _barrier()
@@ -107,24 +132,55 @@ class CheckpointManager:
             (tmp / COMPLETE).write_text(f"{step}\n")
             with open(tmp / COMPLETE, "rb") as f:
                 os.fsync(f.fileno())
-            if final.exists():  # re-saving the same step (e.g. final == periodic)
-                shutil.rmtree(final)
+            trash = None
+            if final.exists():  # re-saving the same step (e.g. final == periodic): swap, then delete
+                trash = final.with_name(f".trash_{final.name}")
+                shutil.rmtree(trash, ignore_errors=True)
+                os.rename(final, trash)
             os.rename(tmp, final)
             _fsync_dir(self.root)
-            self._prune()
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True)
+            self._prune(step)
         _barrier()
         return final
 
-    def _prune(self) -> None:
+    def _prune(self, step: int) -> None:
+        """Keep the newest ``keep`` complete checkpoints up to ``step``; never touch newer ones."""
         if self.keep <= 0:
             return
-        complete = sorted((int(m.group(1)), p) for p in self.root.iterdir()
-                          if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE).is_file())
+        complete = [(s, p) for s, p in complete_checkpoints(self.root) if s <= step]
         for _, path in complete[:-self.keep]:
-            shutil.rmtree(path, ignore_errors=True)
+            _discard(path)
+
+    def recover(self) -> None:
+        """Collective. Finish a re-save that a kill interrupted between its two renames: a complete
+        ``.tmp_step_N`` whose ``step_N`` is gone becomes ``step_N``."""
+        if self.rank == 0 and self.root.is_dir():
+            for tmp in self.root.iterdir():
+                m = _TMP_DIR.match(tmp.name)
+                final = self.root / f"step_{m.group(1)}" if m else None
+                if final is not None and (tmp / COMPLETE).is_file() and not final.exists():
+                    os.rename(tmp, final)
+                    _fsync_dir(self.root)
+        _barrier()
+
+    def check_no_newer(self, step: int, resumed_from: Optional[Path]) -> None:
+        """Refuse to train from ``step`` (0 for a fresh run) over complete checkpoints of later steps
+        in this run's directory: saves and ``resume=auto`` would then mix two histories, and pruning
+        by step could delete this run's newest checkpoint."""
+        newer = [p for s, p in complete_checkpoints(self.root) if s > step]
+        if newer:
+            start = f"resuming from {resumed_from} (step {step})" if resumed_from else "starting a fresh run"
+            raise ValueError(
+                f"{self.root} holds checkpoints of later steps than this run starts from ({start}): "
+                f"{', '.join(p.name for p in newer)}. Resume the newest with train.resume=auto, use a new "
+                "train.output_dir, or move those checkpoints away first")
 
     def resolve(self, resume: str) -> Optional[Path]:
-        """``none`` -> None; ``auto`` -> newest complete (or None); else the given directory."""
+        """``none`` -> None; ``auto`` -> newest complete (or None); else the given directory.
+        Collective (it first runs :meth:`recover`)."""
+        self.recover()
         if resume == "none":
             return None
         if resume == "auto":
@@ -133,6 +189,10 @@ class CheckpointManager:
         if not (path / COMPLETE).is_file():
             raise ValueError(f"train.resume={resume!r} is not a complete checkpoint directory (no {COMPLETE} file)")
         return path
+
+    @staticmethod
+    def read_trainer_state(path: Path) -> Dict[str, Any]:
+        return json.loads((Path(path) / "trainer_state.json").read_text())
 
     def load(self, engine, path: Path) -> tuple[Dict[str, Any], Dict[str, Any]]:
         """Restore engine (weights, optimizer, LR schedule) and RNG; returns (trainer_state, rank_state)."""
@@ -145,5 +205,4 @@ class CheckpointManager:
             raise ValueError(f"{path} has no state for rank {self.rank}: was it saved with a different world size?")
         rank_state = torch.load(rank_file, weights_only=False)
         set_rng_state(rank_state.pop("rng"))
-        trainer_state = json.loads((path / "trainer_state.json").read_text())
-        return trainer_state, rank_state
+        return self.read_trainer_state(path), rank_state

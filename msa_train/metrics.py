@@ -82,12 +82,27 @@ class MetricsLogger:
             self._progress.start()
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop records past the checkpoint so the file reads as one continuous run."""
+        """On resume, drop records past the checkpoint so the file reads as one continuous run.
+
+        A line that does not parse (a write cut short by a kill or a full disk) is dropped too,
+        and the file is replaced atomically (temporary file, fsync, rename): a kill here leaves
+        the old file or the new one."""
         if not self.metrics_path.exists():
             return
-        keep = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
-        self.metrics_path.write_text("".join(line + "\n" for line in keep))
+        keep = []
+        for line in self.metrics_path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                keep.append(line)
+        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.metrics_path)
 
     def log(self, record: Dict[str, Any]) -> None:
         if not self.enabled:

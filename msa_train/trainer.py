@@ -170,14 +170,23 @@ class Trainer:
         path = self.ckpt.resolve(cfg.train.resume)
         self.resumed_from = None
         if path is not None:
+            # the settings first: a differently configured run is refused by name, before DeepSpeed
+            # tries to read a checkpoint of another layout
+            check_resume_config(self.ckpt.read_trainer_state(path).get("run_config", {}), self._run_config(), path)
             trainer_state, rank_state = self.ckpt.load(self.engine, path)
-            check_resume_config(trainer_state.get("run_config", {}), self._run_config(), path)
             self.step = trainer_state["step"]
             self.tokens_seen = trainer_state["tokens_seen"]
             self.sampler.load_state_dict(rank_state["sampler"])
             self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)  # re-apply the restored rate
             self._sampler_iter = iter(self.sampler)
             self.resumed_from = str(path)
+            saved_steps = trainer_state.get("train_steps")  # the length of the saved run's LR schedule
+            if saved_steps is not None and saved_steps != cfg.train.steps and self.dist.is_main:
+                log.warning("train.steps %d differs from the resumed run's %d: the cosine learning-rate schedule "
+                            "is rebuilt for %d steps, so from step %d on the rate follows the new schedule "
+                            "(resume with train.steps=%d to continue the old one exactly)",
+                            cfg.train.steps, saved_steps, cfg.train.steps, self.step + 1, saved_steps)
+        self.ckpt.check_no_newer(self.step, path)
 
     def _build_logger(self) -> None:
         cfg = self.cfg
@@ -288,10 +297,12 @@ class Trainer:
         train = {k: cfg["train"][k] for k in RESUME_TRAIN_KEYS}
         return json.loads(json.dumps({"model": cfg["model"], "attention": cfg["attention"], "data": cfg["data"],
                                       "train": train, "world_size": self.dist.world_size,
-                                      "sp_degree": self.cfg.parallel.sp_degree}, default=str))
+                                      "sp_degree": self.cfg.parallel.sp_degree,
+                                      "zero_stage": self.cfg.parallel.zero_stage}, default=str))
 
     def _save(self) -> None:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "recipe": self.cfg.recipe_name,
+                         "train_steps": self.cfg.train.steps,
                          "world_size": self.dist.world_size, "run_config": self._run_config()}
         self.ckpt.save(self.engine, self.step, trainer_state, {"sampler": self.sampler.state_dict()})
 

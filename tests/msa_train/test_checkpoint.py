@@ -1,0 +1,76 @@
+"""CheckpointManager's guarantees without a model: a fake engine writes one file per save."""
+import json
+from pathlib import Path
+
+import pytest
+
+from msa_train.checkpoint import COMPLETE, CheckpointManager, complete_checkpoints
+from msa_train.metrics import MetricsLogger
+from tests.msa_train._util import FAST, train
+
+
+class FakeEngine:
+    def save_checkpoint(self, path, tag, save_latest=False):
+        Path(path, tag).mkdir()
+        Path(path, tag, "model.pt").write_text("weights")
+
+
+def _save(mgr, step):
+    return mgr.save(FakeEngine(), step, {"step": step}, {"sampler": {}})
+
+
+def test_pruning_keeps_the_checkpoint_just_written_and_newer_ones(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, keep=1)
+    _save(mgr, 5)
+    _save(mgr, 3)  # e.g. another run in the same directory, stepping below the old checkpoint
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [3, 5]
+    _save(mgr, 4)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 5]
+    assert not list(tmp_path.glob(".trash_*")) and not list(tmp_path.glob(".tmp_*"))
+
+
+def test_resave_of_a_step_swaps_and_an_interrupted_swap_is_finished(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, keep=2)
+    _save(mgr, 3)
+    final = _save(mgr, 3)  # the same step again (final == periodic)
+    assert (final / COMPLETE).is_file() and (final / "ds" / "model.pt").is_file()
+    assert not list(tmp_path.glob(".trash_*"))
+    # a kill between the two renames: the old one already moved away, the new one complete in .tmp
+    final.rename(tmp_path / ".tmp_step_000003")
+    assert CheckpointManager(tmp_path, rank=0).resolve("auto") == final
+    assert (final / COMPLETE).is_file()
+    # an incomplete .tmp is left alone (and ignored)
+    (tmp_path / ".tmp_step_000004").mkdir()
+    assert CheckpointManager(tmp_path, rank=0).resolve("auto") == final
+
+
+def test_check_no_newer_names_the_conflicting_checkpoints(tmp_path):
+    mgr = CheckpointManager(tmp_path, rank=0, keep=0)
+    _save(mgr, 2)
+    _save(mgr, 4)
+    mgr.check_no_newer(4, tmp_path / "step_000004")
+    with pytest.raises(ValueError, match="starting a fresh run.*step_000002, step_000004.*train.resume=auto"):
+        mgr.check_no_newer(0, None)
+    with pytest.raises(ValueError, match=r"step 2\).*step_000004"):
+        mgr.check_no_newer(2, tmp_path / "step_000002")
+
+
+def test_fresh_run_over_an_old_runs_checkpoints_is_refused(tmp_path):
+    common = ["attention=full", "train.steps=2", f"train.output_dir={tmp_path}", *FAST]
+    train(common)
+    with pytest.raises(ValueError, match="holds checkpoints of later steps.*starting a fresh run"):
+        train([*common, "train.lr=1e-3"])
+    with pytest.raises(ValueError, match=r"parallel\.zero_stage|zero_stage: 0 -> 2"):
+        train([*common, "train.resume=auto", "parallel.zero_stage=2"])  # refused by name, before DeepSpeed reads it
+
+
+def test_metrics_truncation_survives_a_cut_last_line(tmp_path):
+    from msa_train.config import LoggerConfig
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    path.write_text("\n".join(lines) + '\n{"step": 4, "loss": 4.1')  # a write cut short
+    logger = MetricsLogger(tmp_path, LoggerConfig(), total_steps=10, start_step=2, enabled=True, progress=False,
+                           config_dict={})
+    logger.close()
+    assert path.read_text().splitlines() == lines[:2]

@@ -71,3 +71,74 @@ def test_dense_batch_cu_seqlens_is_one_tensor_per_shape(device):
             assert on_side is not fresh and default_cu_seqlens(2, 50, x.device) is on_side
         torch.cuda.current_stream().wait_stream(side)
         assert on_side.tolist() == [0, 50, 100] and default_cu_seqlens(2, 50, x.device) is fresh
+
+
+def test_per_batch_on_cuda_is_per_stream_and_bypassed_during_graph_capture(device):
+    if device != "cuda":
+        return  # CUDA streams and graphs only
+    calls = []
+
+    def f(cu):
+        calls.append(1)
+        return cu * 2
+
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32, device=device)
+    a = per_batch(f, cu)
+    assert per_batch(f, cu) is a and len(calls) == 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # another stream: its own value
+        b = per_batch(f, cu)
+        assert b is not a and per_batch(f, cu) is b and len(calls) == 2
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # computed during capture, neither read nor kept
+        c = per_batch(f, cu)
+    assert c is not a and len(calls) == 3
+    cu.copy_(torch.tensor([0, 7, 9], dtype=torch.int32, device=device))
+    g.replay()
+    torch.cuda.synchronize()
+    assert c.tolist() == [0, 14, 18]
+
+
+def test_selected_attention_in_a_cuda_graph_follows_refilled_inputs(device):
+    """Warm up, capture, refill cu_seqlens and the indices in place, replay: the replay must use the
+    new sequence layout (a capture that hit per_batch's cache baked the warm-up's metadata in)."""
+    if device != "cuda":
+        return
+    from flash_msa import selected_attention, trusted_inputs
+
+    T, HK, G, D, bs = 512, 1, 4, 64, 64
+    torch.manual_seed(0)
+    q = torch.randn(1, T, HK * G, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, T, HK, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+
+    def indices(bounds):
+        cu = torch.tensor(bounds)
+        t = torch.arange(T)
+        start = cu[torch.searchsorted(cu[1:], t, right=True)]
+        own = (t - start) // bs
+        idx = torch.stack([own, torch.where(own >= 1, own - 1, -1), torch.where(own >= 2, 0, -1)], -1)
+        return idx.int().view(1, T, 1, 3).to(device)
+
+    def cu_of(bounds):
+        return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+    new = [0, 100, 300, 512]
+    for impl in ("fmsa", "nsa"):
+        cu, idx = cu_of([0, 0, 0, T]), indices([0, 0, 0, T])
+        with trusted_inputs():
+            selected_attention(q, k, v, idx, block_size=bs, cu_seqlens=cu, impl=impl)  # warm-up fills the cache
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = selected_attention(q, k, v, idx, block_size=bs, cu_seqlens=cu, impl=impl)
+        cu.copy_(cu_of(new))
+        idx.copy_(indices(new))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = selected_attention(q.float(), k.float(), v.float(), indices(new), block_size=bs, cu_seqlens=cu_of(new),
+                                 impl="reference")
+        err = (out.float() - ref).abs().max().item()
+        assert err < 0.05, (impl, err)

@@ -27,6 +27,11 @@ SELECTED_CASES = {
     "kv_T": (dict(k=torch.randn(1, T + 1, HK, D), v=torch.randn(1, T + 1, HK, D)), {}, ValueError, "k must have shape"),
     "heads": (dict(k=torch.randn(1, T, 3, D), v=torch.randn(1, T, 3, D)), {}, ValueError, "multiple of the KV heads"),
     "group_too_big": (dict(q=torch.randn(1, T, 34, D)), {}, ValueError, "between 1 and 16"),
+    "no_query_heads": (dict(q=torch.randn(1, T, 0, D)), {}, ValueError, "HQ=0 must be a positive multiple"),
+    "empty_batch": (dict(q=torch.randn(0, T, HQ, D), k=torch.randn(0, T, HK, D), v=torch.randn(0, T, HK, D)), {},
+                    ValueError, "at least one sequence"),
+    "zero_head_dim": (dict(q=torch.randn(1, T, HQ, 0), k=torch.randn(1, T, HK, 0), v=torch.randn(1, T, HK, 0)), {},
+                      ValueError, "head dim D must be at least 1"),
     "dtype_mismatch": (dict(k=torch.randn(1, T, HK, D, dtype=torch.float64)), {}, TypeError, "one dtype"),
     "int_q": (dict(q=torch.zeros(1, T, HQ, D, dtype=torch.int32)), {}, TypeError, "q must have dtype"),
     "cu_dtype": ({}, dict(cu_seqlens=CU.long()), TypeError, "cu_seqlens must have dtype int32"),
@@ -121,3 +126,11 @@ def test_module_errors():
     t = qkv()
     with pytest.raises(ValueError, match="hidden_states must have shape"):
         m(torch.randn(1, T + 1, 16), t["q"], t["k"], t["v"])
+
+
+@pytest.mark.parametrize("impl", ["fmsa", "nsa"])
+def test_kernels_on_cpu_without_the_interpreter_say_so(impl, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    t = qkv(q=torch.randn(1, T, HQ, 16), k=torch.randn(1, T, HK, 16), v=torch.randn(1, T, HK, 16))  # a kernel head dim
+    with pytest.raises(ValueError, match="need CUDA tensors, q is on cpu.*impl='reference'"):
+        flash_msa.selected_attention(t["q"], t["k"], t["v"], idx(), block_size=16, impl=impl)

@@ -31,6 +31,7 @@ Scores are kept in log2 units (``scale * log2(e)`` folded into the scale).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -644,10 +645,15 @@ def kernel_limits_error(q: torch.Tensor, S: int) -> Optional[Exception]:
 
 
 def check_kernel_limits(q: torch.Tensor, block_indices: torch.Tensor) -> None:
-    """The shapes and dtypes the Triton kernels support, beyond the interface's checks."""
+    """The shapes and dtypes the Triton kernels support, beyond the interface's checks; and a
+    device they run on (CUDA, or any tensor under the CPU interpreter, ``TRITON_INTERPRET=1``)."""
     err = kernel_limits_error(q, block_indices.shape[-1])
     if err is not None:
         raise err
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"the Triton selected-attention kernels need CUDA tensors, q is on {q.device}: use "
+                         "impl='reference' (or 'auto', which picks it there), or TRITON_INTERPRET=1 to run the "
+                         "kernels in Triton's CPU interpreter")
 
 
 def fmsa_selected_attention(

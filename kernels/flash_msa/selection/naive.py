@@ -98,6 +98,11 @@ def selected_attention_chunked(
     if chunk is None:  # about 16M gathered elements per chunk
         chunk = max(1, min(T, (1 << 24) // max(1, HK * S * block_size * D)))
     start_all, _ = token_seq_bounds(cu_seqlens, T)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # the backward recomputes each chunk from these indices: a snapshot, so that a caller
+        # reusing its index buffer in place before backward still gets the forward's gradients
+        # (the Triton paths save the tensor instead, and autograd refuses the modified one)
+        block_indices = block_indices.clone()
     offs = torch.arange(block_size, device=q.device)
     heads = torch.arange(HK, device=q.device)[None, :, None]
 

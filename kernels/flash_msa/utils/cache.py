@@ -11,6 +11,15 @@ DLPack view) are not seen, so index tensors must not be rewritten that way. Cach
 shared: callers treat them as read-only. Inference tensors (``torch.inference_mode``) carry no
 version counter, so with them nothing is cached. At most 16 values are kept (O(T) index
 tensors each), the oldest dropped first.
+
+On CUDA two more rules, as for ``flash_msa.utils.varlen.default_cu_seqlens``:
+- during CUDA graph capture nothing is read from or written to the cache. A graph replays only
+  the kernels it captured, so a value found in the cache at capture time would be baked into the
+  graph and never recomputed when the captured tensors are refilled in place before a replay (a
+  silent wrong answer); and a value computed during capture holds nothing until a replay.
+- values are cached per CUDA stream: the caching allocator ties a tensor's memory to the stream
+  it was made on, so a value made on stream A and dropped from the cache while work queued on
+  stream B still reads it could be handed out again on A too early.
 """
 from __future__ import annotations
 
@@ -29,6 +38,11 @@ def per_batch(fn: Callable[..., Any], *args) -> Any:
     if any(t.is_inference() for t in tensors):  # no version counter to tell a stale value
         return fn(*args)
     statics = tuple(a for a in args if not isinstance(a, torch.Tensor))
+    cuda = next((t.device for t in tensors if t.is_cuda), None)
+    if cuda is not None:
+        if torch.cuda.is_current_stream_capturing():  # see the module docstring
+            return fn(*args)
+        statics += (torch.cuda.current_stream(cuda).cuda_stream,)
     for f, st, refs, versions, value in reversed(_CACHE):
         if (f is fn and st == statics and len(refs) == len(tensors)
                 and all(r() is t and v == t._version for r, v, t in zip(refs, versions, tensors))):

@@ -57,8 +57,8 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
         raise ValueError(
             f"k must have shape [B={B}, T={T}, HK, D={D}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
     HK = k.shape[2]
-    if HK == 0 or HQ % HK != 0:
-        raise ValueError(f"the number of query heads HQ={HQ} must be a multiple of the KV heads HK={HK}")
+    if HK == 0 or HQ == 0 or HQ % HK != 0:
+        raise ValueError(f"the number of query heads HQ={HQ} must be a positive multiple of the KV heads HK={HK}")
     if HQ // HK > 16:
         raise ValueError(f"GQA group HQ/HK must be between 1 and 16, got {HQ}/{HK} = {HQ // HK}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -67,6 +67,10 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if T == 0:
         raise ValueError("q, k and v must hold at least one token (T >= 1)")
+    if B == 0:
+        raise ValueError(f"q, k and v must hold at least one sequence (B >= 1), got q {tuple(q.shape)}")
+    if D == 0:
+        raise ValueError(f"the head dim D must be at least 1, got q {tuple(q.shape)}")
     return B, T, HQ, HK, D
 
 

@@ -182,3 +182,28 @@ def test_default_per_head_partitions(impl, device, monkeypatch):
 
 def test_seq_starts_helper():
     assert seq_starts(torch.tensor([0, 3, 5], dtype=torch.int32), 5).tolist() == [0, 0, 0, 3, 3]
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+def test_index_buffer_rewritten_before_backward(impl, device):
+    """A caller reusing its index buffer in place between forward and backward: the reference
+    (which recomputes chunks in backward) still gives the forward's gradients; the kernels, which
+    save the tensor, are refused by autograd. Never a silent mix."""
+    from flash_msa import selected_attention
+
+    T, HK, G, D, bs = 64, 1, 2, 16, 16
+    q = torch.randn(1, T, HK * G, D, device=device, requires_grad=True)
+    k = torch.randn(1, T, HK, D, device=device, requires_grad=True)
+    v = torch.randn(1, T, HK, D, device=device, requires_grad=True)
+    own = torch.arange(T, device=device) // bs
+    idx = torch.stack([own, torch.where(own > 0, own - 1, -1)], -1).int()[None, :, None, :].contiguous()
+    want = torch.autograd.grad(selected_attention(q, k, v, idx.clone(), block_size=bs, impl=impl).sum(), (q, k, v))
+    buf = idx.clone()
+    out = selected_attention(q, k, v, buf, block_size=bs, impl=impl)
+    buf[..., 1] = -1
+    if impl == "reference":
+        for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)), want):
+            assert_close("grad", g, w, tol=1e-6)
+    else:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out.sum(), (q, k, v))

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 
 IGNORE_INDEX = -100
+_CONTENT_MARK = "\ue000msa-train-content\ue000"  # private-use characters: no template or text has them
 _IDS = datasets.Sequence(datasets.Value("int32"))
 TOKEN_FEATURES = datasets.Features({"input_ids": _IDS, "labels": _IDS, "length": datasets.Value("int32")})
 PREFERENCE_FEATURES = datasets.Features({
@@ -23,11 +24,17 @@ PREFERENCE_FEATURES = datasets.Features({
     "length": datasets.Value("int32")})
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str], markup: bool = False) -> list[list[int]]:
+    """Token ids of ``texts``. Special tokens are added by hand below, identically for every tokenizer.
+
+    ``markup`` False (document text, prompts, responses): a special token's string inside the
+    text (``<|eot_id|>`` in a scraped page) is encoded as the characters it is, never as the
+    control token, which would otherwise put an EOS in the middle of a document and train it.
+    True for chat-template renderings, whose special tokens are the template's own markup."""
     if not texts:
         return []
-    # Special tokens are added by hand below, identically for every tokenizer.
-    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
+                     split_special_tokens=not markup)["input_ids"]
 
 
 def _bos(tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> list[int]:
@@ -46,17 +53,23 @@ def _tokenize_sft(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bos: bool
     bos, eos = _bos(tokenizer, add_bos), tokenizer.eos_token_id
     # Every record becomes a list of (text, trained) segments; all texts of the batch are
     # encoded in one tokenizer call.
-    segments = []
+    # Segments rendered by a chat template hold the template's special tokens as markup; all
+    # other texts are plain text (see _encode), so the two kinds are encoded in two calls.
+    segments, markup = [], bool(getattr(tokenizer, "chat_template", None))
     for prompt, response, messages in zip(batch["prompt"], batch["response"], batch["messages"]):
-        segments.append(chat_segments(messages, tokenizer) if messages else [(prompt, False), (response, True)])
-    flat = _encode(tokenizer, [text for segs in segments for text, _ in segs])
-    out_ids, out_labels, k = [], [], 0
+        if messages:
+            segments.append([(t, trained, markup) for t, trained in chat_segments(messages, tokenizer)])
+        else:
+            segments.append([(prompt, False, False), (response, True, False)])
+    texts = [seg for segs in segments for seg in segs]
+    encoded = {m: iter(_encode(tokenizer, [t for t, _, mk in texts if mk == m], markup=m)) for m in (False, True)}
+    out_ids, out_labels = [], []
     for segs in segments:
         ids, labels = list(bos), [IGNORE_INDEX] * len(bos)
-        for _, trained in segs:
-            ids += flat[k]
-            labels += flat[k] if trained else [IGNORE_INDEX] * len(flat[k])
-            k += 1
+        for _, trained, mk in segs:
+            seg = next(encoded[mk])
+            ids += seg
+            labels += seg if trained else [IGNORE_INDEX] * len(seg)
         if not ids or ids[-1] != eos:  # chat templates may already end with EOS
             ids.append(eos)
             labels.append(eos if segs[-1][1] else IGNORE_INDEX)
@@ -77,6 +90,9 @@ def chat_segments(messages: list[dict], tokenizer: PreTrainedTokenizerBase) -> l
 
     Without a template (the byte-level tokenizer): ``"{role}: {content}\\n"`` per message,
     with the content and newline of assistant messages trained.
+
+    A template that renders the tokenizer's BOS itself (Llama 3's ``{{ bos_token }}``) has it
+    taken off the first segment: the example's one BOS is the one every format adds (``add_bos``).
     """
     if not getattr(tokenizer, "chat_template", None):
         segs = []
@@ -86,26 +102,45 @@ def chat_segments(messages: list[dict], tokenizer: PreTrainedTokenizerBase) -> l
         return segs
 
     def render(msgs: list[dict], generation_prompt: bool = False) -> str:
-        if not msgs:
-            return ""
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt) if msgs else ""
+
+    def header(i: int) -> str:
+        # the rendering up to assistant turn i's content: the prompt with the generation prompt;
+        # for a conversation that opens with the assistant (transformers renders no empty
+        # conversation), the first turn rendered with a marker for its content, cut there
+        if i > 0:
+            return render(messages[:i], True)
+        marked = render([{**messages[0], "content": _CONTENT_MARK}])
+        return marked.split(_CONTENT_MARK)[0] if _CONTENT_MARK in marked else ""
 
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     segs, done = [], ""
     for i in assistant:
-        head, full = render(messages[:i], True), render(messages[: i + 1])
+        head, full = header(i), render(messages[: i + 1])
         if not (head.startswith(done) and full.startswith(head)):
             break
         segs += [(head[len(done):], False), (full[len(head):], True)]
         done = full
     else:
-        rest = render(messages)[len(done):]
-        return segs + [(rest, False)] if rest else segs
+        whole = render(messages)
+        # messages after the last assistant turn: kept (untrained) only when the whole rendering
+        # continues this one; a template that renders the last turn differently once more
+        # messages follow (Qwen3's think block) would splice them in at the wrong place
+        if whole.startswith(done) and len(whole) > len(done):
+            segs.append((whole[len(done):], False))
+        return _strip_bos(segs, tokenizer)
     last = assistant[-1]
-    head, full = render(messages[:last], True), render(messages[: last + 1])
+    head, full = header(last), render(messages[: last + 1])
     if not full.startswith(head):
         raise ValueError("the tokenizer's chat template does not render the assistant turn after its prompt")
-    return [(head, False), (full[len(head):], True)]
+    return _strip_bos([(head, False), (full[len(head):], True)], tokenizer)
+
+
+def _strip_bos(segs: list[tuple[str, bool]], tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, bool]]:
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and segs and segs[0][0].startswith(bos):
+        segs = [(segs[0][0][len(bos):], segs[0][1]), *segs[1:]]
+    return segs
 
 
 def _tokenize_preference(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> dict:

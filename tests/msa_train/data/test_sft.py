@@ -73,6 +73,66 @@ def test_chat_only_assistant_turns_trained_with_template(tok, write_jsonl):
     assert _trained_text(tok, labels) == "Hello</s>|Ciao</s>" + tok.eos_token
 
 
+def _chat_tok(tok, template):
+    t = tok.__class__(tokenizer_object=tok.backend_tokenizer, bos_token=tok.bos_token, eos_token=tok.eos_token,
+                      pad_token=tok.pad_token)
+    t.chat_template = template
+    return t
+
+
+# Llama 3 Instruct's template in miniature: it renders the BOS itself before the first message
+BOS_TEMPLATE = ("{% for m in messages %}{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+                "<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+# Qwen3's shape: the last assistant turn renders differently once another message follows it
+LAST_TURN_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' and loop.last %}"
+                      "<think></think>{% endif %}{{ m['content'] }}</s>{% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_template_that_renders_bos_gives_one_bos(tok, write_jsonl):
+    chat_tok = _chat_tok(tok, BOS_TEMPLATE)
+    path = write_jsonl("chat.jsonl", [{"messages": CHAT}])
+    ids, labels = _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), chat_tok, 128), chat_tok)
+    assert ids.tolist().count(tok.bos_token_id) == 1
+    assert tok.decode(ids[1:]).startswith("<system>Be brief.</s><user>Hi</s><assistant>Hello</s>")
+    assert _trained_text(tok, labels) == "Hello</s>|Ciao</s>" + tok.eos_token
+
+
+def test_turns_after_the_last_assistant_turn_are_not_spliced_in(tok, write_jsonl):
+    chat_tok = _chat_tok(tok, LAST_TURN_TEMPLATE)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Thanks"}]
+    path = write_jsonl("chat.jsonl", [{"messages": msgs}])
+    ids, labels = _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), chat_tok, 128), chat_tok)
+    # the trailing user turn does not continue this rendering: dropped, not cut in the middle
+    assert tok.decode(ids[1:]) == "<user>Hi</s><assistant><think></think>Hello</s>" + tok.eos_token
+    assert _trained_text(tok, labels) == "<think></think>Hello</s>" + tok.eos_token
+
+
+def test_conversation_opening_with_the_assistant_masks_its_header(tok, write_jsonl):
+    chat_tok = _chat_tok(tok, TEMPLATE)
+    msgs = [{"role": "assistant", "content": "How can I help?"}, {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "y"}]
+    path = write_jsonl("chat.jsonl", [{"messages": msgs}])
+    ids, labels = _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), chat_tok, 128), chat_tok)
+    assert tok.decode(ids[1:]).startswith("<assistant>How can I help?</s><user>x</s><assistant>y</s>")
+    assert _trained_text(tok, labels) == "How can I help?</s>|y</s>" + tok.eos_token
+
+
+@pytest.mark.parametrize("fmt, record", [
+    ("pretrain", {"text": "a<|eos|>b<|pad|>"}),
+    ("sft", {"prompt": "p<|eos|>", "response": "r<|bos|>"}),
+], ids=["pretrain", "sft"])
+def test_special_token_strings_in_text_stay_text(fmt, record, tok, write_jsonl):
+    path = write_jsonl("d.jsonl", [record])
+    ids, _ = _one_doc(build_packed_dataset(DataConfig(format=fmt, path=path), tok, 64), tok)
+    ids = ids.tolist()
+    # one BOS in front and one EOS at the end, both added; the strings in the text are bytes
+    assert ids.count(tok.bos_token_id) == 1 and ids.count(tok.eos_token_id) == 1 and ids[-1] == tok.eos_token_id
+    assert tok.pad_token_id not in ids
+    assert tok.decode(ids[1:-1]) == "".join(v for k, v in record.items())
+
+
 @pytest.mark.parametrize("messages, reason", [
     ("not a list", "field 'messages' must be a non-empty list"),
     ([], "field 'messages' must be a non-empty list"),

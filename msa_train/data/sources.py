@@ -64,7 +64,8 @@ def resolve_files(cfg: DataConfig) -> list[tuple[str, str]]:
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for name in sorted(names):
                     ext = os.path.splitext(name)[1].lower()
-                    if not name.startswith(".") and (ext in _EXTENSIONS or cfg.file_type):
+                    # "." and "_" files are hidden, as for Hadoop / Spark (_SUCCESS, _committed_*)
+                    if not name.startswith((".", "_")) and (ext in _EXTENSIONS or cfg.file_type):
                         found.append(os.path.join(root, name))
             if not found:
                 raise ValueError(f"data.path={path!r}: the directory holds no "
@@ -128,8 +129,12 @@ def _raw_records(path: str, ftype: str, cfg: DataConfig) -> Iterator[tuple[str, 
         except Exception as e:  # pyarrow raises several types for a corrupt file
             yield f"{path}:row 0", None, f"unreadable parquet file: {e}"
             return
+        # only the configured fields (a wide table's other columns are never read); a missing one
+        # is left out, so its records fail validation with the field's name
+        names = set(pf.schema_arrow.names)
+        columns = [c for c in _record_fields(cfg) if c in names]
         row = 0
-        for batch in pf.iter_batches(batch_size=1024):
+        for batch in pf.iter_batches(batch_size=1024, columns=columns):
             for rec in batch.to_pylist():
                 yield f"{path}:row {row}", rec, None
                 row += 1
@@ -137,6 +142,15 @@ def _raw_records(path: str, ftype: str, cfg: DataConfig) -> Iterator[tuple[str, 
         yield from _txt_records(path, cfg.text_sample_by, cfg.text_field)
     else:
         raise AssertionError(ftype)
+
+
+def _record_fields(cfg: DataConfig) -> list[str]:
+    """The record fields the format reads."""
+    if cfg.format == "sft":
+        return [cfg.messages_field, cfg.prompt_field, cfg.response_field]
+    if cfg.format == "preference":
+        return [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+    return [cfg.text_field]
 
 
 def _jsonl_records(path: str) -> Iterator[tuple[str, Any, Optional[str]]]:
@@ -160,7 +174,8 @@ def _txt_records(path: str, sample_by: str, text_field: str) -> Iterator[tuple[s
         yield f"{path}:1", None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
         return
     if sample_by == "document":
-        yield f"{path}:1", {text_field: text}, None
+        if text.strip():  # an empty file holds no document (as blank lines hold no paragraph)
+            yield f"{path}:1", {text_field: text}, None
         return
     # Blank lines separate paragraphs / lines; they are not records, so they are skipped.
     pattern = r"[^\n]+" if sample_by == "line" else r"\S[\s\S]*?(?=\n[ \t]*\n|\Z)"
@@ -223,7 +238,8 @@ def validate_record(rec: Any, cfg: DataConfig) -> dict:
     if fmt == "pretrain":
         return {"text": _get_str(rec, cfg.text_field)}
     if fmt == "sft":
-        if cfg.messages_field in rec:
+        # a null messages field (a table mixing chat and prompt/response rows) is no chat record
+        if rec.get(cfg.messages_field) is not None:
             return {"prompt": "", "response": "", "messages": _get_messages(rec, cfg.messages_field)}
         if cfg.prompt_field not in rec and cfg.response_field not in rec:
             raise _Bad(f"missing fields: either {cfg.messages_field!r} (chat) or {cfg.prompt_field!r} and "

@@ -153,3 +153,41 @@ def test_num_proc_2_matches_num_proc_1(tok, write_jsonl):
     a = build_packed_dataset(DataConfig(format="pretrain", path=path), tok, 128)
     b = build_packed_dataset(DataConfig(format="pretrain", path=path, num_proc=2), tok, 128)
     assert len(a) == len(b) and all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) for i in range(len(a)))
+
+
+def test_spark_style_directory_and_wide_parquet(tmp_path, tok, monkeypatch):
+    """A Spark output directory with data.file_type set: its _SUCCESS marker is not read; a wide
+    table's other columns are never read (only the configured field)."""
+    d = tmp_path / "out"
+    d.mkdir()
+    (d / "_SUCCESS").write_text("")
+    rows = [{"text": t, "blob": "x" * 100, "n": i} for i, t in enumerate(DOCS)]
+    pq.write_table(pa.Table.from_pylist(rows), d / "part-00000")  # no extension, as Spark may write
+    read = []
+    real = pq.ParquetFile.iter_batches
+
+    def spy(self, *args, **kwargs):
+        read.append(kwargs.get("columns"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    ds = build_packed_dataset(DataConfig(format="pretrain", path=str(d), file_type="parquet"), tok, 256)
+    assert _texts(ds, tok) == sorted(DOCS) and ds.report.num_bad == 0
+    assert read == [["text"]]
+
+
+def test_sft_parquet_mixing_chat_and_prompt_response_rows(tmp_path, tok):
+    path = tmp_path / "mix.parquet"
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    pq.write_table(pa.Table.from_pylist([{"messages": chat, "prompt": None, "response": None},
+                                         {"messages": None, "prompt": "Q ", "response": "A"}]), path)
+    records, report = load_records(DataConfig(format="sft", path=str(path)))
+    assert report.num_bad == 0 and len(records) == 2
+    assert records[1]["response"] == "A" and records[1]["messages"] == [] and len(records[0]["messages"]) == 2
+
+
+def test_empty_txt_document_is_no_record(tmp_path, tok):
+    (tmp_path / "a.txt").write_text("one document\n")
+    (tmp_path / "b.txt").write_text("  \n")
+    ds = build_packed_dataset(DataConfig(format="pretrain", path=str(tmp_path)), tok, 64)
+    assert _texts(ds, tok) == ["one document\n"] and ds.report.num_bad == 0

@@ -21,6 +21,8 @@ CASES = {  # (cu_seqlens, HQ, HK, D, sizes)
     # (flash_msa/fused.py, local_in_window); sequences shorter than a block, of one and of many blocks
     "local-G5": ([0, 10, 30, 110, 240, 250], 10, 2, 16, dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=4, window=40)),
     "local-G3-D64": ([0, 150, 300], 6, 2, 64, dict(cmp_block=32, cmp_stride=16, slc_block=32, slc_topk=5, window=64)),
+    # a stream shorter than one compression stride: no compressed row at all
+    "shorter-than-stride": ([0, 3, 5], 8, 2, 16, dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=3, window=24)),
 }
 
 
@@ -39,7 +41,7 @@ def _inputs(cu_list, HQ, HK, D, l, device, dtype):
     return cu, leaves
 
 
-@pytest.mark.parametrize("case", ["varlen-G5", "G4-defaults-D32", "G16-D128"])
+@pytest.mark.parametrize("case", ["varlen-G5", "G4-defaults-D32", "G16-D128", "shorter-than-stride"])
 def test_nsa_triton_matches_reference(case, device):
     _check_against_reference(case, device)
 
@@ -128,7 +130,7 @@ def _check_against_reference(case, device, gate_values=(), batch=None):
     else:
         # every Triton branch, with each selected-attention loop order in one case (interpreter)
         selected = {"varlen-G5": "fmsa", "G16-D128": "nsa", "batch2-G4-D64": "fmsa", "local-G5": "fmsa",
-                    "local-G3-D64": "fmsa"}.get(case, "reference")
+                    "local-G3-D64": "fmsa", "shorter-than-stride": "fmsa"}.get(case, "reference")
         o = _compose(BRANCHES["triton"], q[0], k[0], v[0], gates[0], (kw, kp, kj), (vw, vp, vj), cu,
                      sizes["cmp_block"], sizes["cmp_stride"], sizes["slc_block"], sizes["slc_topk"],
                      sizes["window"], scale, selected, uniform=(batch, T // batch) if batch else None).view(1, T, HQ, D)

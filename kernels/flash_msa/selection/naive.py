@@ -39,6 +39,8 @@ def masked_softmax_av(s: torch.Tensor, mask: torch.Tensor, v: torch.Tensor) -> t
     s, mask: [..., N]; v: [..., N, D] -> [..., D]. Written without -inf so that fully
     masked rows have finite gradients.
     """
+    if s.shape[-1] == 0:  # no keys at all (a stream shorter than one compression stride): every row gives 0
+        return s @ v  # an empty sum: zeros [..., D] (broadcast as the general case), in the graph of s and v
     s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
     m = s.amax(-1, keepdim=True).detach()
     p = torch.exp(s - m) * mask

@@ -6,6 +6,7 @@ its gradients, then the sequence-parallel one on its shard of the tokens. The ou
 input gradients must equal the whole-sequence ones on the rank's tokens, and the parameter
 gradients summed over the ranks the whole-sequence ones.
 """
+import os
 import sys
 from types import SimpleNamespace
 
@@ -16,13 +17,24 @@ from flash_msa.nsa import NativeSparseAttention
 from msa_train.models.attention import full_attention_forward
 from msa_train.parallel.sequence import SP_ATTR, build_layout
 
+# SP_DEVICE=cuda (one GPU per rank, NCCL, bf16, the Triton kernels through impl="auto"): the
+# check on the H200s; the default is the CPU test (gloo, fp32, the PyTorch reference)
+CUDA = os.environ.get("SP_DEVICE", "cpu") == "cuda"
 TOL = dict(rtol=1e-4, atol=1e-5)
+RMS_TOL = 2e-2  # bf16 on CUDA: relative RMS error
 
 
 def check(name, got, want):
+    got, want = got.float(), want.float()
     err = (got - want).abs().max().item()
-    ok = torch.allclose(got, want, **TOL)
-    print(f"rank {dist.get_rank()} {name}: max abs err {err:.2e} {'ok' if ok else 'MISMATCH'}", flush=True)
+    if CUDA:
+        rms = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+        ok = rms <= RMS_TOL
+        err_s = f"rel RMS {rms:.2e}, max abs {err:.2e}"
+    else:
+        ok = torch.allclose(got, want, **TOL)
+        err_s = f"max abs err {err:.2e}"
+    print(f"rank {dist.get_rank()} {name}: {err_s} {'ok' if ok else 'MISMATCH'}", flush=True)
     return ok
 
 
@@ -31,17 +43,27 @@ def leaves(*xs):
 
 
 def main() -> int:
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if CUDA else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", rank) if CUDA else torch.device("cpu")
+    if CUDA:
+        torch.cuda.set_device(dev)
     sp = build_layout(world, rank, world).sp
     torch.manual_seed(0)
-    T, HQ, HK, D, hidden = 96 * world, 4 * world, 2 * world, 16, 32
-    cu = torch.tensor([0, 37, 37 + 2 * world, T - 20, T], dtype=torch.int32)  # varlen, a short document
-    x = torch.randn(1, T, hidden)
-    q, k, v = torch.randn(1, T, HQ, D), torch.randn(1, T, HK, D), torch.randn(1, T, HK, D)
-    w = torch.randn(1, T, HQ, D)  # weights of the scalar loss
-    nsa = NativeSparseAttention(hidden, HQ, HK, D, cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=3,
-                                window=24, impl="reference")
+    if CUDA:  # NSA's defaults on Llama-3-like heads, 4K tokens
+        T, HQ, HK, D, hidden = 4096, 8 * world, 2 * world, 128, 256
+        sizes = dict(cmp_block=32, cmp_stride=16, slc_block=64, slc_topk=16, window=512)
+        cu = torch.tensor([0, 1000, 1000 + 8 * world, T - 700, T], dtype=torch.int32)
+    else:
+        T, HQ, HK, D, hidden = 96 * world, 4 * world, 2 * world, 16, 32
+        sizes = dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=3, window=24)
+        cu = torch.tensor([0, 37, 37 + 2 * world, T - 20, T], dtype=torch.int32)  # varlen, a short document
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn(1, T, hidden).to(dev, dtype)
+    q, k, v = (torch.randn(1, T, h, D).to(dev, dtype) for h in (HQ, HK, HK))
+    w = torch.randn(1, T, HQ, D).to(dev, dtype)  # weights of the scalar loss
+    cu = cu.to(dev)
+    nsa = NativeSparseAttention(hidden, HQ, HK, D, impl="auto" if CUDA else "reference", **sizes).to(dev, dtype)
     with torch.no_grad():  # non-trivial gates and compression
         nsa.gate.weight.normal_(std=0.2)
         nsa.compress_k.proj.normal_(std=0.1)
@@ -80,11 +102,10 @@ def main() -> int:
 
     # a KV-head count that does not split over the ranks is refused, naming it (3 KV heads on 2 ranks)
     if world == 2:
-        bad = NativeSparseAttention(hidden, 9, 3, D, cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=3,
-                                    window=24, impl="reference")
+        bad = NativeSparseAttention(hidden, 9, 3, D, impl="reference", **sizes).to(dev, dtype)
         n = T // world
         try:
-            bad(xs.detach(), torch.randn(1, n, 9, D), torch.randn(1, n, 3, D), torch.randn(1, n, 3, D),
+            bad(xs.detach(), *(torch.randn(1, n, h, D, device=dev, dtype=dtype) for h in (9, 3, 3)),
                 cu_seqlens=cu, sequence_parallel=sp)
             print(f"rank {rank} uneven heads: no error MISMATCH", flush=True)
             ok = False

@@ -132,6 +132,7 @@ class CheckpointManager:
             (tmp / COMPLETE).write_text(f"{step}\n")
             with open(tmp / COMPLETE, "rb") as f:
                 os.fsync(f.fileno())
+            _fsync_dir(tmp)  # the marker's directory entry, before the rename publishes it
             trash = None
             if final.exists():  # re-saving the same step (e.g. final == periodic): swap, then delete
                 trash = final.with_name(f".trash_{final.name}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -187,6 +189,9 @@ class Trainer:
                             "(resume with train.steps=%d to continue the old one exactly)",
                             cfg.train.steps, saved_steps, cfg.train.steps, self.step + 1, saved_steps)
         self.ckpt.check_no_newer(self.step, path)
+        if path is not None and self.step >= cfg.train.steps and self.dist.is_main:
+            log.warning("the resumed checkpoint is at step %d, train.steps=%d: nothing to train (raise train.steps "
+                        "to continue)", self.step, cfg.train.steps)
 
     def _build_logger(self) -> None:
         cfg = self.cfg
@@ -343,8 +348,17 @@ class Trainer:
         else:
             state = None
         if self.dist.is_main:
-            save_pretrained(self.model, str(self.run_dir / "hf"), state_dict=state)
-            self.tokenizer.save_pretrained(str(self.run_dir / "hf"))
+            # written beside, then swapped in (as the checkpoints): a kill mid-write leaves the
+            # previous hf/ (or none), never a half-written one
+            final, tmp, old = (self.run_dir / n for n in ("hf", ".tmp_hf", ".old_hf"))
+            for d in (tmp, old):
+                shutil.rmtree(d, ignore_errors=True)
+            save_pretrained(self.model, str(tmp), state_dict=state)
+            self.tokenizer.save_pretrained(str(tmp))
+            if final.exists():
+                os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
         if dist.is_initialized():
             dist.barrier()
 

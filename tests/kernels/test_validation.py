@@ -134,3 +134,27 @@ def test_kernels_on_cpu_without_the_interpreter_say_so(impl, monkeypatch):
     t = qkv(q=torch.randn(1, T, HQ, 16), k=torch.randn(1, T, HK, 16), v=torch.randn(1, T, HK, 16))  # a kernel head dim
     with pytest.raises(ValueError, match="need CUDA tensors, q is on cpu.*impl='reference'"):
         flash_msa.selected_attention(t["q"], t["k"], t["v"], idx(), block_size=16, impl=impl)
+
+
+def test_trusted_inputs_is_per_thread_and_never_on_cpu(monkeypatch):
+    import threading
+
+    from flash_msa.utils.validation import _trusting
+
+    monkeypatch.delenv("FLASH_MSA_TRUST_INPUTS", raising=False)
+    acc, cpu = torch.empty(2, device="meta"), torch.empty(2)  # "meta" stands for an accelerator
+    assert not _trusting(acc)
+    seen = []
+    with flash_msa.trusted_inputs():
+        assert _trusting(acc) and not _trusting(cpu)
+        t = threading.Thread(target=lambda: seen.append(_trusting(acc)))
+        t.start()
+        t.join()
+    assert seen == [False] and not _trusting(acc)  # another thread kept its checks; restored after
+    monkeypatch.setenv("FLASH_MSA_TRUST_INPUTS", "1")  # read at every call
+    assert _trusting(acc) and not _trusting(cpu)
+    with pytest.raises(ValueError, match="must start at 0"):  # CPU values are always checked
+        with flash_msa.trusted_inputs():
+            t = qkv()
+            flash_msa.selected_attention(t["q"], t["k"], t["v"], idx(), block_size=16, impl="reference",
+                                         cu_seqlens=torch.tensor([1, 10, T], dtype=torch.int32))

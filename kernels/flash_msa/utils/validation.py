@@ -7,32 +7,40 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Iterator, Optional, Sequence
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_TRUST_VALUES = os.environ.get("FLASH_MSA_TRUST_INPUTS", "0") == "1"
+_TRUSTED: ContextVar[bool] = ContextVar("flash_msa_trusted_inputs", default=False)
+
+
+def _trusting(t: torch.Tensor) -> bool:
+    """Whether the value checks are skipped for ``t``: on an accelerator, inside
+    :func:`trusted_inputs` (of this thread or task) or with ``FLASH_MSA_TRUST_INPUTS=1`` (read
+    at every call)."""
+    return t.device.type != "cpu" and (_TRUSTED.get() or os.environ.get("FLASH_MSA_TRUST_INPUTS", "0") == "1")
 
 
 @contextmanager
 def trusted_inputs() -> Iterator[None]:
-    """Skip the value checks of ``cu_seqlens`` that need a device-to-host copy.
+    """Skip the value checks that need a device-to-host copy.
 
-    Shapes, dtypes and devices are always checked. The values of ``cu_seqlens``
-    (starts at 0, non-decreasing, ends at T) are checked on every call unless the
-    tensor lives on an accelerator and this context is active, or the environment
-    sets ``FLASH_MSA_TRUST_INPUTS=1``. The trainer validates ``cu_seqlens`` once per
-    batch on the CPU and then runs its layers inside this context, so the hot path
-    has no host sync.
+    Shapes, dtypes and devices are always checked. Three checks read values: ``cu_seqlens``
+    (starts at 0, non-decreasing, ends at T), ``block_indices`` (distinct entries per query)
+    and the gates (in [0, 1]). On an accelerator they are skipped inside this context, or
+    everywhere when the environment sets ``FLASH_MSA_TRUST_INPUTS=1``; on the CPU they always
+    run. The context is per thread (and asyncio task): another thread's calls keep their
+    checks. The trainer validates ``cu_seqlens`` once per batch on the CPU and then runs its
+    layers inside this context, so the hot path has no host sync.
     """
-    global _TRUST_VALUES
-    previous, _TRUST_VALUES = _TRUST_VALUES, True
+    token = _TRUSTED.set(True)
     try:
         yield
     finally:
-        _TRUST_VALUES = previous
+        _TRUSTED.reset(token)
 
 
 def check_tensor(name: str, x, *, ndim: int, layout: str, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:
@@ -88,7 +96,7 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device:
         raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B={B}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens must be on the device of q ({device}), got {cu_seqlens.device}")
-    if _TRUST_VALUES and cu_seqlens.device.type != "cpu":
+    if _trusting(cu_seqlens):
         return
     values = cu_seqlens.tolist()
     if values[0] != 0:
@@ -132,7 +140,7 @@ def check_distinct_entries(block_indices: torch.Tensor) -> None:
     A value check, so it follows the policy of :func:`trusted_inputs` (skipped inside it on an
     accelerator). Costs one sort of [B, T, HK, S].
     """
-    if _TRUST_VALUES and block_indices.device.type != "cpu":
+    if _trusting(block_indices):
         return
     s = block_indices.sort(-1).values
     repeat = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
@@ -146,7 +154,7 @@ def check_gates_range(gates: torch.Tensor) -> None:
     """Gate values must lie in [0, 1] (sigmoid outputs): the whole-op backward shifts each
     branch's lse by -log(gate) (flash_msa/fused.py), which a negative or NaN gate would turn into
     NaN gradients. A value check, so it follows the policy of :func:`trusted_inputs`."""
-    if _TRUST_VALUES and gates.device.type != "cpu":
+    if _trusting(gates):
         return
     bad = ~((gates >= 0) & (gates <= 1))  # NaN included
     if bad.any():

@@ -5,6 +5,8 @@
 # check: both attention backends on 2 GPUs (NCCL, bf16, the Triton kernels) against the whole
 #        sequence on each GPU (tests/msa_train/sp_worker.py with SP_DEVICE=cuda)
 # tiny:  the tiny recipe with fmsa, 30 steps: 1 GPU, then parallel.sp_degree=2 on 2 GPUs
+# onegpu: the tiny stage on ONE GPU, both ranks on it (gloo; torchrun's LOCAL_RANK overridden to 0),
+#        for when no 2-GPU machine is lent: the trainer's SP path on the CUDA kernels, not its speed
 # long:  Llama-3-8B layer shapes (llama3_8b_64k, 4 layers, fmsa, ZeRO-2, activation checkpointing)
 #        on the generated corpus: SP_LENS on 1 GPU and with sp_degree=2 on 2 GPUs (SP2_ONLY_LENS: 2 GPUs only)
 set -uo pipefail
@@ -61,6 +63,24 @@ a, b = ([json.loads(l) for l in (out / f"tiny_sp{s}_metrics.jsonl").read_text().
 for x, y in zip(a, b):
     if x["step"] in (1, 2, 5, 10, 20, 30):
         print(f"step {x['step']}: loss 1 GPU {x['loss']:.4f}  sp=2 {y['loss']:.4f}  (diff {y['loss'] - x['loss']:+.4f})")
+PY
+      ;;
+    onegpu)
+      C=(recipe=tiny attention=fmsa train.steps=30 train.save_final=false train.save_hf=false train.progress=false
+         parallel.backend=gloo)
+      timeout 150 python3 -m msa_train.cli "${C[@]}" train.output_dir="$OUT/onegpu_1" > "$OUT/onegpu_1.log" 2>&1
+      echo "1 process rc=$?"
+      timeout 200 "${RUN2[@]}" --no-python bash -c 'LOCAL_RANK=0 exec python3 -m msa_train.cli "$@"' _ "${C[@]}" \
+        parallel.sp_degree=2 train.output_dir="$OUT/onegpu_sp2" > "$OUT/onegpu_sp2.log" 2>&1
+      echo "2 processes sp=2 rc=$?"
+      python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+a, b = ([json.loads(l) for l in (out / n / "metrics.jsonl").read_text().splitlines() if l.strip()] for n in ("onegpu_1", "onegpu_sp2"))
+for x, y in zip(a, b):
+    if x["step"] in (1, 2, 5, 10, 20, 30):
+        print(f"step {x['step']}: loss 1 process {x['loss']:.4f}  2 processes sp=2 {y['loss']:.4f}  diff {y['loss'] - x['loss']:+.4f}; "
+              f"grad norm {x['grad_norm']:.4f} / {y['grad_norm']:.4f}")
 PY
       ;;
     long)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -102,6 +103,8 @@ class Trainer:
         # data-parallel ranks and sequence-parallel groups (msa_train/parallel/sequence.py)
         self.layout = build_layout(cfg.parallel.sp_degree, self.dist.rank, self.dist.world_size)
         self.sp = self.layout.sp
+        from msa_train.preemption import control_group
+        self._control = control_group(self.dist.backend, self.dist.world_size)  # for the stop-signal agreement
         self.run_dir = Path(cfg.train.output_dir).resolve()
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -312,27 +315,47 @@ class Trainer:
         self.ckpt.save(self.engine, self.step, trainer_state, {"sampler": self.sampler.state_dict()})
 
     def train(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
-        """Run to ``train.steps`` (or stop after step ``stop_after``, checkpointing there)."""
+        """Run to ``train.steps`` (or stop after step ``stop_after``, checkpointing there). A SIGTERM
+        or SIGUSR1 stops every rank at the end of the current step, with a checkpoint there
+        (msa_train/preemption.py); the summary then has ``stopped_by_signal``."""
+        from msa_train.preemption import StopSignals
+
         cfg = self.cfg.train
         self.module.train()
         self._t0 = time.perf_counter()
         records: List[Dict[str, Any]] = []
         t_last, tokens_since = time.perf_counter(), 0
         last = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
-        while self.step < last:
-            out = self.train_step()
-            tokens_since += out["tokens"]
-            # 5. log: the only host syncs of the loop, every log_every steps.
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                now = time.perf_counter()
-                records.append(self._log(out, now - t_last, tokens_since))
-                t_last, tokens_since = now, 0
-            else:
-                self.logger.advance(self.step)
-            if (cfg.save_every and self.step % cfg.save_every == 0) or \
-                    (self.step == last and (cfg.save_final or stop_after is not None)):
-                self._save()
+        stop = StopSignals(self.dist.rank, self.dist.world_size, self._control)
+        stopped_by = None
+        try:
+            while self.step < last:
+                out = self.train_step()
+                tokens_since += out["tokens"]
+                # 5. log: the only host syncs of the loop, every log_every steps.
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    now = time.perf_counter()
+                    records.append(self._log(out, now - t_last, tokens_since))
+                    t_last, tokens_since = now, 0
+                else:
+                    self.logger.advance(self.step)
+                saved = False
+                if (cfg.save_every and self.step % cfg.save_every == 0) or \
+                        (self.step == last and (cfg.save_final or stop_after is not None)):
+                    self._save()
+                    saved = True
+                if stop.requested(self.step):  # host-side agreement over gloo, no GPU sync
+                    if not saved:
+                        self._save()
+                    stopped_by = signal.Signals(stop.received).name if stop.received else "a signal on another rank"
+                    if self.dist.is_main:
+                        log.warning("stop signal: stopped after step %d with a checkpoint there; continue with "
+                                    "train.resume=auto", self.step)
+                    break
+        finally:
+            stop.restore()
         summary = self._summary(records)
+        summary["stopped_by_signal"] = None if stopped_by is None else str(stopped_by)
         if self.step == cfg.steps and cfg.save_hf:
             self._save_hf()
         self.logger.close(summary if self.step == cfg.steps else None)

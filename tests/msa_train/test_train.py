@@ -1,6 +1,7 @@
 """The trainer end to end on CPU: real HF models, real DeepSpeed, the real data pipeline."""
 import json
 import signal
+import sys
 
 import pytest
 import torch
@@ -105,3 +106,29 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path):
     _, plain = train([*common, f"train.output_dir={tmp_path / 'a'}"])
     _, ckpt = train([*common, "parallel.activation_checkpointing=true", f"train.output_dir={tmp_path / 'b'}"])
     assert [r["loss"] for r in plain] == [r["loss"] for r in ckpt]
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_stop_signal_checkpoints_the_current_step_and_resumes(tmp_path, procs):
+    """A SIGTERM (here sent by the last rank to itself at the end of step 2: the test hook) stops
+    every rank after that step with a complete checkpoint there, and the process exits 0;
+    resume=auto continues from it."""
+    args = ["attention=full", "train.steps=6", "train.seq_len=256", f"train.output_dir={tmp_path}", *FAST]
+    launcher = ()
+    if procs > 1:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
+                    "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    out = run_cli(args, extra_env={"MSA_TRAIN_SIGNAL_AT": f"2:{procs - 1}"}, launcher=launcher, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "stop signal: stopped after step 2" in out.stdout + out.stderr
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    assert (ckpt / "COMPLETE").is_file() and all((ckpt / f"rank_{r:05d}.pt").is_file() for r in range(procs))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    if procs == 1:
+        summary, records = train([*args, "train.resume=auto"])
+        assert summary["resumed_from"].endswith("step_000002") and summary["steps"] == 6
+        assert [r["step"] for r in records] == list(range(1, 7)) and summary["stopped_by_signal"] is None

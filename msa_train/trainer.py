@@ -90,6 +90,7 @@ class Trainer:
     def _build_distributed(self) -> None:
         from msa_train.parallel import build_deepspeed_config, init_distributed
         from msa_train.parallel.sequence import build_layout
+        from msa_train.preemption import control_group
 
         cfg = self.cfg
         self.dist = init_distributed(cfg.train.device, cfg.parallel.backend)
@@ -103,7 +104,6 @@ class Trainer:
         # data-parallel ranks and sequence-parallel groups (msa_train/parallel/sequence.py)
         self.layout = build_layout(cfg.parallel.sp_degree, self.dist.rank, self.dist.world_size)
         self.sp = self.layout.sp
-        from msa_train.preemption import control_group
         self._control = control_group(self.dist.backend, self.dist.world_size)  # for the stop-signal agreement
         self.run_dir = Path(cfg.train.output_dir).resolve()
         if self.dist.is_main:
@@ -140,7 +140,7 @@ class Trainer:
             from msa_train.models import _head_dims
             from msa_train.parallel.sequence import attach
 
-            num_heads, num_kv_heads, _ = _head_dims(self.model.config)
+            _, num_kv_heads, _ = _head_dims(self.model.config)
             if num_kv_heads % self.sp.size:
                 raise ValueError(f"parallel.sp_degree={self.sp.size} must divide the model's {num_kv_heads} KV heads "
                                  "(each rank attends with num_kv_heads / sp_degree of them)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -67,8 +68,14 @@ class MetricsLogger:
 
             # Offline unless the user says otherwise (logger.mode or $WANDB_MODE): tests need no account.
             mode = cfg.mode or os.environ.get("WANDB_MODE", "offline")
+            # one wandb run per training run: its id is kept in the run dir, and a resume continues
+            # it (wandb keeps the first record of a step, so a rolled-back step keeps its
+            # pre-crash record, the same values after an exact resume but for the timings)
+            id_file = run_dir / "wandb_run_id"
+            run_id = id_file.read_text().strip() if start_step > 0 and id_file.is_file() else uuid.uuid4().hex[:8]
+            id_file.write_text(run_id + "\n")
             self._wandb = wandb.init(project=cfg.project, name=cfg.run_name, dir=str(run_dir), mode=mode,
-                                     config=config_dict, resume="allow")
+                                     config=config_dict, id=run_id, resume="allow")
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -114,6 +114,8 @@ def test_stop_signal_checkpoints_the_current_step_and_resumes(tmp_path, procs):
     every rank after that step with a complete checkpoint there, and the process exits 0;
     resume=auto continues from it."""
     args = ["attention=full", "train.steps=6", "train.seq_len=256", f"train.output_dir={tmp_path}", *FAST]
+    if procs == 1:
+        args.append("logger=wandb")  # offline: the resume continues the same wandb run
     launcher = ()
     if procs > 1:
         import socket
@@ -132,3 +134,5 @@ def test_stop_signal_checkpoints_the_current_step_and_resumes(tmp_path, procs):
         summary, records = train([*args, "train.resume=auto"])
         assert summary["resumed_from"].endswith("step_000002") and summary["steps"] == 6
         assert [r["step"] for r in records] == list(range(1, 7)) and summary["stopped_by_signal"] is None
+        runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+        assert len(runs) == 2 and len({r.name.rsplit("-", 1)[-1] for r in runs}) == 1, runs

@@ -20,6 +20,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 LOGGERS = ("none", "wandb")
 OPTIMIZERS = ("torch", "deepspeed")
 WANDB_MODES = ("offline", "online", "disabled")
+OBJECTIVES = ("lm", "dpo")
 
 
 def _choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
@@ -117,6 +118,8 @@ class TrainConfig:
     resume: str = "none"                 # none | auto | path to a checkpoint dir
     peak_tflops: Optional[float] = None  # per device, for MFU; None = known GPU table, CPU -> no MFU
     progress: bool = True                # rich progress bar on rank 0
+    objective: str = "lm"                # lm (next-token loss: pretraining, SFT) | dpo (preference pairs)
+    dpo_beta: float = 0.1                # DPO's beta: scale of the implicit reward
 
     def __post_init__(self):
         for key in ("steps", "seq_len", "grad_accum", "log_every", "loss_chunk_tokens"):
@@ -131,6 +134,9 @@ class TrainConfig:
             raise ValueError(f"train.betas={list(self.betas)!r} is not allowed; expected two floats in [0, 1)")
         _at_least("train.grad_clip", self.grad_clip, 0.0, "a float >= 0 (0 disables clipping)")
         _choice("train.precision", self.precision, PRECISIONS)
+        _choice("train.objective", self.objective, OBJECTIVES)
+        if not self.dpo_beta > 0:
+            raise ValueError(f"train.dpo_beta={self.dpo_beta!r} is not allowed; expected a positive float")
         _choice("train.device", self.device, DEVICES)
         if self.resume not in ("none", "auto") and not self.resume:
             raise ValueError("train.resume must be none, auto or a checkpoint directory")
@@ -172,6 +178,14 @@ class RootConfig:
         if self.train.seq_len % self.parallel.sp_degree != 0:
             raise ValueError(f"train.seq_len={self.train.seq_len} must be divisible by parallel.sp_degree="
                              f"{self.parallel.sp_degree}")
+        dpo, pairs = self.train.objective == "dpo", getattr(self.data, "format", None) == "preference"
+        if dpo != pairs:
+            raise ValueError("train.objective=dpo and data.format=preference go together: DPO trains on preference "
+                             f"pairs, and pairs train with DPO (got train.objective={self.train.objective!r}, "
+                             f"data.format={getattr(self.data, 'format', None)!r})")
+        if dpo and self.parallel.sp_degree != 1:
+            raise ValueError("train.objective=dpo runs with parallel.sp_degree=1 (a pair's log-probabilities are "
+                             "summed over its sequence, which sequence parallelism splits)")
         if self.attention.is_sparse and self.train.seq_len < self.attention.slc_block:
             raise ValueError(f"train.seq_len={self.train.seq_len} must be >= attention.slc_block="
                              f"{self.attention.slc_block}")

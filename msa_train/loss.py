@@ -12,6 +12,8 @@ fire for it, including during the recomputation in backward.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,13 +22,18 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100
 
 
-def _chunk_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _chunk_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                    segments: Optional[torch.Tensor] = None, num_segments: int = 0) -> torch.Tensor:
     logits = lm_head(hidden).float()  # [C, V] fp32 for a stable log-softmax
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if segments is None:
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    losses = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")  # 0 where ignored
+    return losses.new_zeros(num_segments).index_add(0, segments, losses)
 
 
 def chunked_linear_cross_entropy_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                                     chunk_tokens: int = 4096) -> torch.Tensor:
+                                     chunk_tokens: int = 4096, segments: Optional[torch.Tensor] = None,
+                                     num_segments: int = 0) -> torch.Tensor:
     """Summed next-token CE of ``lm_head(hidden)`` against ``labels``.
 
     Args:
@@ -34,17 +41,22 @@ def chunked_linear_cross_entropy_sum(lm_head: nn.Module, hidden: torch.Tensor, l
         hidden: [B, T, hidden] final hidden states.
         labels: [B, T] int64 targets already aligned with ``hidden`` (shifted), -100 = no loss.
         chunk_tokens: tokens per chunk; bounds the logits memory to chunk_tokens x vocab.
+        segments: optional int64 [B, T] segment id of every token (< ``num_segments``): the sums
+            are then taken per segment (DPO's per-sequence log-probabilities).
 
     Returns:
-        Scalar fp32 sum of the per-token losses over tokens whose label is not -100.
+        fp32 sum of the per-token losses over tokens whose label is not -100: a scalar, or
+        [num_segments] with ``segments``.
     """
     h = hidden.reshape(-1, hidden.shape[-1])  # [B*T, hidden]
     y = labels.reshape(-1)
-    total = h.new_zeros((), dtype=torch.float32)
+    seg = None if segments is None else segments.reshape(-1)
+    total = h.new_zeros((num_segments,) if seg is not None else (), dtype=torch.float32)
     for start in range(0, h.shape[0], chunk_tokens):
-        h_c, y_c = h[start:start + chunk_tokens], y[start:start + chunk_tokens]
+        part = (h[start:start + chunk_tokens], y[start:start + chunk_tokens],
+                None if seg is None else seg[start:start + chunk_tokens], num_segments)
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss_sum, lm_head, h_c, y_c, use_reentrant=False)
+            total = total + checkpoint(_chunk_loss_sum, lm_head, *part, use_reentrant=False)
         else:
-            total = total + _chunk_loss_sum(lm_head, h_c, y_c)
+            total = total + _chunk_loss_sum(lm_head, *part)
     return total

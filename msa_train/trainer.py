@@ -55,7 +55,7 @@ def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
 # train.* settings that change the loss curve; the others (steps, output, logging, checkpoint
 # cadence) may change between a run and its resume.
 RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "warmup_steps", "weight_decay",
-                     "grad_clip", "seed", "precision", "loss_chunk_tokens")
+                     "grad_clip", "seed", "precision", "loss_chunk_tokens", "objective", "dpo_beta")
 
 
 def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> None:
@@ -78,12 +78,15 @@ class Trainer:
 
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
+        self.dpo = cfg.train.objective == "dpo"
         self._build_distributed()
         self._build_data()
         self._build_model()
         self._build_parallelize()
         self._build_optimizer()
         self._build_checkpoint()
+        if self.dpo:
+            self._build_reference()
         self._build_logger()
 
     # ------------------------------------------------------------------ build
@@ -222,12 +225,16 @@ class Trainer:
         """One micro-batch on the host: validated once here so the model runs with trusted inputs."""
         from flash_msa.utils.validation import check_cu_seqlens
 
-        item = self.dataset[next(self._sampler_iter)]  # the sampler is infinite: epochs reshuffle
+        index = next(self._sampler_iter)  # the sampler is infinite: epochs reshuffle
+        item = self.dataset[index]
         input_ids, cu = item["input_ids"], item["cu_seqlens"]
         check_cu_seqlens(cu, 1, input_ids.shape[0], torch.device("cpu"))
         lengths = (cu[1:] - cu[:-1]).double()
         batch = {"input_ids": input_ids[None], "position_ids": item["position_ids"][None],
                  "targets": next_token_targets(item["labels"], cu)[None]}
+        if self.dpo:  # segment 0 is prompt + chosen, 1 prompt + rejected, 2 the padding (packing.py)
+            seg = torch.repeat_interleave(torch.arange(len(lengths)), (cu[1:] - cu[:-1]).long()).clamp_max(2)
+            batch.update(segments=seg[None], num_segments=3, index=index)
         if self.sp is not None:  # this rank's tokens; cu_seqlens keeps describing the whole sequence
             batch = {k: self.sp.shard(v, 1) for k, v in batch.items()}
         return {
@@ -247,6 +254,8 @@ class Trainer:
         lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step's update uses
         # 1. batch: all micro-batches of this step, on the host.
         micro = [self._next_batch() for _ in range(gas)]
+        if self.dpo:
+            return self._dpo_step(micro, lr)
         # Token-weighted loss: divide by the label tokens of the whole global batch. Counted on the
         # host, summed across ranks on the device (a collective, not a host sync).
         n_local = sum(int((m["targets"] != IGNORE_INDEX).sum()) for m in micro)
@@ -278,11 +287,90 @@ class Trainer:
         return {"loss_sum": loss_sum, "n_global": n_global, "tokens": tokens, "lr": lr, "grad_norm": grad_norm,
                 "mean_context": sum(m["mean_context"] for m in micro) / gas}
 
+    # ------------------------------------------------------------------ DPO
+    def _pair_logps(self, m: Dict[str, Any]) -> torch.Tensor:
+        """[2] fp32 log-probabilities of the chosen and the rejected response of micro-batch m."""
+        batch = {k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items()
+                 if k not in ("mean_context", "index")}
+        return -self.engine(**batch)[:2]  # the engine returns per-segment losses
+
+    def _build_reference(self) -> None:
+        """DPO's reference: the log-probabilities of the starting model, for every pair this rank will
+        train on (the next ``train.steps * grad_accum`` items of its sampler), computed once before the
+        first step and kept in ``<run>/dpo_reference/rank_NNNNN.pt`` for resuming. So no second model
+        is held in memory; the cost is one forward pass per pair."""
+        from flash_msa import trusted_inputs
+
+        cfg = self.cfg.train
+        path = self.run_dir / "dpo_reference" / f"rank_{self.dist.rank:05d}.pt"
+        if self.resumed_from is not None:
+            if not path.is_file():
+                raise ValueError(f"train.resume: {path} is missing: a DPO run resumes with the reference "
+                                 "log-probabilities computed at its start")
+            self._reference = torch.load(path)
+            return
+        sampler = type(self.sampler)(self.sampler.num_items, seed=self.sampler.seed, rank=self.sampler.rank,
+                                     world_size=self.sampler.world_size)
+        sampler.load_state_dict(self.sampler.state_dict())
+        order, it = [], iter(sampler)
+        for _ in range(cfg.steps * cfg.grad_accum):  # as many forwards on every rank (ZeRO-3 gathers)
+            order.append(next(it))
+        saved_iter, self._sampler_iter = self._sampler_iter, iter(order)
+        reference: Dict[int, List[float]] = {}
+        self.module.eval()
+        with torch.no_grad(), trusted_inputs():
+            for index in order:
+                m = self._next_batch()
+                reference[index] = self._pair_logps(m).tolist()  # host floats: a sync per pair, setup only
+        self.module.train()
+        self._sampler_iter = saved_iter
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(reference, tmp)
+        os.replace(tmp, path)
+        self._reference = reference
+
+    def _dpo_step(self, micro: List[Dict[str, Any]], lr: float) -> Dict[str, Any]:
+        """One optimizer step of DPO: loss -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) per
+        pair, the mean over the global batch's pairs (DeepSpeed averages over ranks and micro steps)."""
+        from flash_msa import trusted_inputs
+
+        gas, beta = self.cfg.train.grad_accum, self.cfg.train.dpo_beta
+        sums = torch.zeros(3, device=self.device)  # loss, reward accuracy, reward margin
+        grad_norm = None
+        for i, m in enumerate(micro):
+            if m["index"] not in self._reference:
+                raise ValueError(f"DPO: no reference log-probabilities for pair {m['index']}: this run's reference "
+                                 f"covers the pairs of its first train.steps={self.cfg.train.steps} steps as set "
+                                 "when it started; extend a DPO run by starting a new one from its hf/ export")
+            ref = self._to_device(torch.tensor(self._reference[m["index"]]))
+            with trusted_inputs():
+                logps = self._pair_logps(m)
+                margin = beta * ((logps[0] - ref[0]) - (logps[1] - ref[1]))
+                loss = -torch.nn.functional.logsigmoid(margin)
+                self.engine.backward(loss)
+            if i == gas - 1 and self.cfg.parallel.zero_stage == 0:
+                grad_norm = _grad_norm(self.module)
+            self.engine.step()
+            sums = sums + torch.stack([loss.detach(), (margin > 0).float().detach(), margin.detach()])
+        self.step += 1
+        tokens = gas * self.layout.dp_size * self.cfg.train.seq_len
+        self.tokens_seen += tokens
+        n_pairs = torch.tensor(float(gas * self.dist.world_size), device=self.device)
+        return {"loss_sum": sums[0], "n_global": n_pairs, "tokens": tokens, "lr": lr, "grad_norm": grad_norm,
+                "mean_context": sum(m["mean_context"] for m in micro) / gas,
+                "pair_sums": {"reward_accuracy": sums[1], "reward_margin": sums[2]}}
+
     def _log(self, out: Dict[str, Any], elapsed: float, tokens: int) -> Dict[str, Any]:
         loss_sum = out["loss_sum"].clone()
         dist.all_reduce(loss_sum)
         # host syncs, logging only
         loss = (loss_sum / out["n_global"].clamp_min(1.0)).item()
+        extra = {}
+        for name, value in out.get("pair_sums", {}).items():  # DPO: means over the global batch's pairs
+            value = value.clone()
+            dist.all_reduce(value)
+            extra[name] = (value / out["n_global"]).item()
         grad_norm = out["grad_norm"] if out["grad_norm"] is not None else self.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
         tokens_per_s = tokens / max(elapsed, 1e-9)
@@ -294,7 +382,7 @@ class Trainer:
         record = {"step": self.step, "loss": loss, "lr": out["lr"],
                   "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
                   "peak_memory_gb": peak_memory_gb(self.device), "tokens_seen": self.tokens_seen,
-                  "elapsed_s": time.perf_counter() - self._t0}
+                  "elapsed_s": time.perf_counter() - self._t0, **extra}
         self.logger.log(record)
         return record
 

@@ -22,7 +22,8 @@ class CausalLMWithLoss(nn.Module):
         self.chunk_tokens = chunk_tokens
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
-                cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
+                cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                segments: Optional[torch.Tensor] = None, num_segments: int = 0) -> torch.Tensor:
         """
         Args:
             input_ids, position_ids: int64 [1, T]; positions restart at every document.
@@ -30,9 +31,11 @@ class CausalLMWithLoss(nn.Module):
                 (last token of each document, masked prompt tokens, padding).
             cu_seqlens: int32 [N+1] document offsets on the model's device.
             max_seqlen: longest document (Python int).
+            segments, num_segments: optional int64 [1, T] segment of every token: the losses are
+                then summed per segment (minus a pair's log-probabilities, for DPO).
 
         Returns:
-            Scalar fp32 sum of the token losses.
+            fp32 sum of the token losses: a scalar, or [num_segments] with ``segments``.
         """
         extra = {}
         if cu_seqlens is not None:
@@ -41,4 +44,5 @@ class CausalLMWithLoss(nn.Module):
                          max_length_k=max_seqlen)
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                **extra).last_hidden_state  # [1, T, hidden]
-        return chunked_linear_cross_entropy_sum(self.lm.lm_head, hidden, targets, self.chunk_tokens)
+        return chunked_linear_cross_entropy_sum(self.lm.lm_head, hidden, targets, self.chunk_tokens, segments,
+                                                num_segments)

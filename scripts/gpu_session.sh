@@ -5,13 +5,7 @@
 #   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e nsa selected variants ncu
 # (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT)
 set -uo pipefail
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD/kernels:$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, the carried wheels, PYTHONPATH
 stages=${*:-tests tiny e2e nsa}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"

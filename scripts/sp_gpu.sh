@@ -10,13 +10,7 @@
 # long:  Llama-3-8B layer shapes (llama3_8b_64k, 4 layers, fmsa, ZeRO-2, activation checkpointing)
 #        on the generated corpus: SP_LENS on 1 GPU and with sp_degree=2 on 2 GPUs (SP2_ONLY_LENS: 2 GPUs only)
 set -uo pipefail
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD/kernels:$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, the carried wheels, PYTHONPATH
 RUN2=(python3 -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29533)
 stages=${*:-check tiny}
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"

@@ -89,32 +89,33 @@ LAST_TURN_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] =
                       "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
+def _chat_doc(tok, write_jsonl, template, messages):
+    """(ids, labels) of one chat record tokenised with ``template``."""
+    chat_tok = _chat_tok(tok, template)
+    path = write_jsonl("chat.jsonl", [{"messages": messages}])
+    return _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), chat_tok, 128), chat_tok)
+
+
 def test_template_that_renders_bos_gives_one_bos(tok, write_jsonl):
-    chat_tok = _chat_tok(tok, BOS_TEMPLATE)
-    path = write_jsonl("chat.jsonl", [{"messages": CHAT}])
-    ids, labels = _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), chat_tok, 128), chat_tok)
+    ids, labels = _chat_doc(tok, write_jsonl, BOS_TEMPLATE, CHAT)
     assert ids.tolist().count(tok.bos_token_id) == 1
     assert tok.decode(ids[1:]).startswith("<system>Be brief.</s><user>Hi</s><assistant>Hello</s>")
     assert _trained_text(tok, labels) == "Hello</s>|Ciao</s>" + tok.eos_token
 
 
 def test_turns_after_the_last_assistant_turn_are_not_spliced_in(tok, write_jsonl):
-    chat_tok = _chat_tok(tok, LAST_TURN_TEMPLATE)
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
             {"role": "user", "content": "Thanks"}]
-    path = write_jsonl("chat.jsonl", [{"messages": msgs}])
-    ids, labels = _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), chat_tok, 128), chat_tok)
+    ids, labels = _chat_doc(tok, write_jsonl, LAST_TURN_TEMPLATE, msgs)
     # the trailing user turn does not continue this rendering: dropped, not cut in the middle
     assert tok.decode(ids[1:]) == "<user>Hi</s><assistant><think></think>Hello</s>" + tok.eos_token
     assert _trained_text(tok, labels) == "<think></think>Hello</s>" + tok.eos_token
 
 
 def test_conversation_opening_with_the_assistant_masks_its_header(tok, write_jsonl):
-    chat_tok = _chat_tok(tok, TEMPLATE)
     msgs = [{"role": "assistant", "content": "How can I help?"}, {"role": "user", "content": "x"},
             {"role": "assistant", "content": "y"}]
-    path = write_jsonl("chat.jsonl", [{"messages": msgs}])
-    ids, labels = _one_doc(build_packed_dataset(DataConfig(format="sft", path=path), chat_tok, 128), chat_tok)
+    ids, labels = _chat_doc(tok, write_jsonl, TEMPLATE, msgs)
     assert tok.decode(ids[1:]).startswith("<assistant>How can I help?</s><user>x</s><assistant>y</s>")
     assert _trained_text(tok, labels) == "How can I help?</s>|y</s>" + tok.eos_token
 

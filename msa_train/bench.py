@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,15 +34,27 @@ def run_point(recipe: str, attention: str, seq_len: int, steps: int, extra: List
             f"data.max_doc_tokens={seq_len}", *extra]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "msa_train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    point = {"attention": attention, "seq_len": seq_len, "steps": steps, "ok": proc.returncode == 0}
+    env["HYDRA_FULL_ERROR"] = "1"  # the error's own last line, not Hydra's hint
+    point = {"attention": attention, "seq_len": seq_len, "steps": steps, "ok": False}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "msa_train.cli", *args], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # recorded like any failed point; the others still run
+        point["error"] = f"timeout after {timeout} s"
+        return point
+    point["ok"] = proc.returncode == 0
     if proc.returncode != 0:
-        tail = proc.stderr[-2000:]
-        point["error"] = "OOM" if "out of memory" in tail.lower() else tail.strip().splitlines()[-1:]
+        point["error"] = "OOM" if "out of memory" in proc.stderr[-4000:].lower() else _error_line(proc.stderr)
         return point
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return point | {"records": records, "summary": json.loads((out_dir / "summary.json").read_text())}
+
+
+def _error_line(stderr: str) -> str:
+    """The failed run's exception line (the last one of the traceback: HYDRA_FULL_ERROR is set)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b", line)]
+    return (errors or lines or ["failed without a message"])[-1]
 
 
 def summarise(point: Dict, warmup: int) -> Optional[float]:

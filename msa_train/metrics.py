@@ -39,14 +39,14 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def model_flops_per_token(n_params: int, n_embedding: int, num_layers: int, attn_dim: int,
-                          mean_context: float) -> float:
+def model_flops_per_token(n_matmul: int, num_layers: int, attn_dim: int, mean_context: float) -> float:
     """Training FLOPs per token of the dense-equivalent model (fwd + bwd = 3x fwd).
 
-    6 per matmul parameter (the input embedding is a lookup, not a matmul) plus causal attention
-    QK^T and PV: 2 matmuls x 2 FLOPs x attn_dim (HQ*D) x mean context, x3 for training.
+    6 per matmul parameter (``count_parameters``' second value: not the input embedding, a lookup,
+    nor NSA's own parameters, so that NSA and dense runs of one model are held to the same FLOPs)
+    plus causal attention QK^T and PV: 2 matmuls x 2 FLOPs x attn_dim (HQ*D) x mean context, x3.
     """
-    return 6.0 * (n_params - n_embedding) + 12.0 * num_layers * attn_dim * mean_context
+    return 6.0 * n_matmul + 12.0 * num_layers * attn_dim * mean_context
 
 
 class MetricsLogger:

@@ -130,7 +130,7 @@ class Trainer:
 
         cfg = self.cfg
         # Meta-device dry run first: a bad model config fails here, before any memory is allocated.
-        self.n_params, self.n_embedding = count_parameters(cfg.model, cfg.attention)
+        self.n_params, self.n_matmul = count_parameters(cfg.model, cfg.attention)
         if self.dist.is_main:
             log.info("model: %s (%s), %.3gM parameters, attention=%s, ZeRO-%d, %s on %s x%d",
                      cfg.model.name, cfg.model.model_type, self.n_params / 1e6, cfg.attention.name,
@@ -376,7 +376,7 @@ class Trainer:
         tokens_per_s = tokens / max(elapsed, 1e-9)
         mfu = None
         if self.peak_tflops:
-            flops = model_flops_per_token(self.n_params, self.n_embedding, self._num_layers, self._attn_dim,
+            flops = model_flops_per_token(self.n_matmul, self._num_layers, self._attn_dim,
                                           out["mean_context"])
             mfu = flops * tokens_per_s / (self.peak_tflops * 1e12 * self.dist.world_size)
         record = {"step": self.step, "loss": loss, "lr": out["lr"],

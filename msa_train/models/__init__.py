@@ -53,6 +53,30 @@ def _head_dims(config):
     return num_heads, getattr(config, "num_key_value_heads", None) or num_heads, head_dim
 
 
+def _check_supported(config, cfg: AttentionConfig) -> None:
+    """Refuse what msa_train's attention backends would otherwise silently ignore."""
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        raise ValueError(f"attention_dropout={dropout}: msa_train's attention backends apply no attention dropout; "
+                         "set model.hf_config.attention_dropout=0")
+    layer_types = getattr(config, "layer_types", None) or []
+    if not cfg.is_sparse and ("sliding_attention" in layer_types or getattr(config, "use_sliding_window", False)):
+        raise ValueError("the model config has sliding-window attention layers, which attention=full (msa_full: "
+                         "causal attention over whole documents) does not implement; turn them off "
+                         "(model.hf_config.use_sliding_window=false) or use an NSA attention, which replaces them")
+
+
+def _refuse_padding_mask(module, args, kwargs):
+    """Decoder pre-hook: the backends register no mask function, so HF hands them no attention
+    mask; a padding mask would be dropped. Packed sequences (cu_seqlens) need none."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and mask.dim() == 2:
+        mask = mask != 0
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        raise NotImplementedError("msa_train's attention backends take packed sequences (cu_seqlens), not padding "
+                                  "masks: pack the batch, or run padded batches on the model without patch_model")
+
+
 def _set_attn_implementation(model: nn.Module, name: str) -> None:
     # transformers 5 validates names through set_attn_implementation; 4.5x reads the config field.
     if hasattr(model, "set_attn_implementation"):
@@ -80,21 +104,29 @@ def patch_model(model: nn.Module, attention_cfg: Union[AttentionConfig, Mapping[
 
     cfg = _as_attention_cfg(attention_cfg)
     family = family_of(model.config)
+    _check_supported(model.config, cfg)
     register_attention_backends()
     hidden = model.config.hidden_size
     num_heads, num_kv_heads, head_dim = _head_dims(model.config)
+    sizes = dict(cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, slc_block=cfg.slc_block,
+                 slc_topk=cfg.slc_topk, window=cfg.window)
     for attn in family.attention_modules(model):
+        if cfg.is_sparse and hasattr(attn, "nsa") and attn.nsa.sizes != sizes:
+            raise ValueError(f"patch_model: the model is already patched with NSA sizes {attn.nsa.sizes}, not "
+                             f"{sizes}: its NSA parameters have those shapes; patch a fresh model instead")
         if cfg.is_sparse and not hasattr(attn, "nsa"):
             ref = attn.q_proj.weight
-            attn.nsa = NativeSparseAttention(
-                hidden, num_heads, num_kv_heads, head_dim, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
-                slc_block=cfg.slc_block, slc_topk=cfg.slc_topk, window=cfg.window, impl=cfg.name,
-                device=ref.device, dtype=ref.dtype)
+            attn.nsa = NativeSparseAttention(hidden, num_heads, num_kv_heads, head_dim, impl=cfg.name,
+                                             device=ref.device, dtype=ref.dtype, **sizes)
         if cfg.is_sparse:
             attn.nsa.requested_impl = cfg.name
         if not getattr(attn, _HOOKED, False):
             attn.register_forward_pre_hook(stash_hidden_states, with_kwargs=True)
             setattr(attn, _HOOKED, True)
+    decoder = getattr(model, "model", None)
+    if decoder is not None and not getattr(decoder, _HOOKED, False):
+        decoder.register_forward_pre_hook(_refuse_padding_mask, with_kwargs=True)
+        setattr(decoder, _HOOKED, True)
     _set_attn_implementation(model, NSA if cfg.is_sparse else FULL)
     model.config.msa_attention = dataclasses.asdict(cfg)
     return model
@@ -128,13 +160,15 @@ def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: t
 
 
 def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> tuple[int, int]:
-    """Build the patched model on the meta device (accelerate's ``init_empty_weights``): validates
-    the config and the patch and counts parameters without allocating any memory.
+    """Build the patched model on the meta device: validates the config and the patch and counts
+    parameters without allocating any memory. (``torch.device("meta")``, not accelerate's
+    ``init_empty_weights``, which re-creates each parameter and so unties tied embeddings.)
 
     Returns:
-        (total parameters including NSA, input-embedding parameters)
+        (total parameters including NSA, tied ones once; the matmul parameters of the
+        dense-equivalent model: every weight a token's forward multiplies by, the LM head
+        included (tied or not), the input-embedding lookup and NSA's own parameters left out)
     """
-    from accelerate import init_empty_weights
     from transformers import AutoConfig
 
     if model_cfg.path is not None:
@@ -142,10 +176,13 @@ def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> 
     else:
         values = {k: v for k, v in model_cfg.hf_config.items() if k != "model_type"}
         config = AutoConfig.for_model(model_cfg.model_type, **values)
-    with init_empty_weights():
+    with torch.device("meta"):
         model = family_of(config).causal_lm_cls(config)
         patch_model(model, attention_cfg)
-    return sum(p.numel() for p in model.parameters()), model.get_input_embeddings().weight.numel()
+    embedding = model.get_input_embeddings().weight
+    matmul = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False)
+                 if not (p is embedding and "lm_head" not in name) and ".nsa." not in name)
+    return sum(p.numel() for p in model.parameters()), matmul
 
 
 def load_pretrained(path: str, attention_cfg: Union[AttentionConfig, Mapping[str, Any], None] = None,

@@ -55,9 +55,14 @@ def _repeat_kv(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
 
 
 def _sdpa_causal(q, k, v, scale):
-    """q [B, HQ, T, D], k/v [B, HK, T, D] -> [B, HQ, T, D], causal within the whole row."""
+    """q [B, HQ, Tq, D], k/v [B, HK, Tk, D] -> [B, HQ, Tq, D], causal within the whole row; with
+    Tq < Tk (decoding with a KV cache) the queries are the last Tq positions."""
     group = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, group, 1), _repeat_kv(v, group, 1)
+    if q.shape[2] != k.shape[2]:
+        from torch.nn.attention.bias import causal_lower_right
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                              scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
@@ -91,6 +96,8 @@ def _full_attention(query, key, value, scaling, cu_seq_lens_q, max_length_q) -> 
     """query [B, HQ, T, D], key/value [B, HK, T, D] -> [B, T, HQ, D] (see full_attention_forward)."""
     B, HQ, T, D = query.shape
     one_doc = cu_seq_lens_q is None or cu_seq_lens_q.numel() == 2  # shape only: no host sync
+    if T != key.shape[2] and not one_doc:
+        raise NotImplementedError("msa_full: a KV cache with packed documents (cu_seqlens) is not supported")
     if one_doc:
         out = _sdpa_causal(query, key, value, scaling)
     elif (_varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
@@ -134,6 +141,9 @@ def nsa_attention_forward(module, query, key, value, attention_mask=None, scalin
     if hidden is None:
         raise RuntimeError("msa_nsa attention called without hidden states: was the module patched by patch_model?")
     setattr(module, _HIDDEN, None)  # drop the reference: the autograd graph keeps what it needs
+    if query.shape[2] != key.shape[2]:
+        raise NotImplementedError("msa_nsa attention has no KV-cache decoding: NSA here trains on whole sequences "
+                                  "(for generation, recompute without cache: use_cache=False)")
     nsa = module.nsa
     # The Triton kernels need CUDA; anywhere else the PyTorch reference computes the same function.
     nsa.impl = nsa.requested_impl if query.is_cuda else "reference"

@@ -25,3 +25,12 @@ def test_bench_report_of_a_partial_run(tmp_path):
     md = (tmp_path / "e2e_tiny_cpu.md").read_text()
     assert "| 512 | 1,000 | not run | - |" in md
     assert "| 1,024 | not run | not run | - |" in md
+
+
+def test_failed_and_timed_out_points_are_recorded(tmp_path):
+    from msa_train.bench import run_point
+
+    bad = run_point("tiny", "sparse", 256, 2, [], tmp_path, timeout=120)  # an unknown attention option
+    assert not bad["ok"] and isinstance(bad["error"], str) and "sparse" in bad["error"], bad
+    slow = run_point("tiny", "full", 256, 2, [], tmp_path, timeout=1)  # killed before it trains
+    assert slow == {"attention": "full", "seq_len": 256, "steps": 2, "ok": False, "error": "timeout after 1 s"}

@@ -100,3 +100,57 @@ def test_chunked_linear_cross_entropy_matches_full_logits():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g_h, hidden.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_w, head.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # untied, tied embeddings
+@pytest.mark.parametrize("attention", ["full", "nsa"])
+def test_count_parameters_counts_tied_weights_once_and_flops_without_nsa(model_type, attention):
+    from msa_train.models import count_parameters
+
+    mcfg, acfg = ModelConfig(model_type=model_type, hf_config=TINY[model_type]), AttentionConfig(name=attention, **SMALL_NSA)
+    total, matmul = count_parameters(mcfg, acfg)
+    model = build_model(mcfg, acfg)
+    assert total == sum(p.numel() for p in model.parameters())
+    nsa = sum(p.numel() for n, p in model.named_parameters() if ".nsa." in n)
+    vocab_x_hidden = model.get_input_embeddings().weight.numel()
+    # the LM head's matmul counts whether its weight is tied or not; the embedding lookup never
+    lm_head_extra = vocab_x_hidden if TINY[model_type]["tie_word_embeddings"] else 0
+    assert matmul == total - vocab_x_hidden - nsa + lm_head_extra
+    assert (nsa > 0) == (attention == "nsa")
+
+
+def test_msa_full_generates_like_hf_with_a_kv_cache():
+    """Decoding with a KV cache: one query against the cached keys (the last position's causal row)."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY["llama"])).eval()
+    hf.config._attn_implementation = "eager"
+    ours = patch_model(copy.deepcopy(hf), AttentionConfig(name="full"))
+    ids = torch.randint(0, 97, (1, 9))
+    with torch.no_grad():
+        a = hf.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids))
+        b = ours.generate(ids, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(ids))
+    assert torch.equal(a, b), (a, b)
+
+
+def test_patch_refuses_what_the_backends_would_ignore():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    with pytest.raises(ValueError, match="attention_dropout=0.5"):
+        patch_model(LlamaForCausalLM(LlamaConfig(**TINY["llama"], attention_dropout=0.5)), AttentionConfig(name="full"))
+    swa = Qwen2Config(**TINY["qwen2"], use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding-window attention layers"):
+        patch_model(Qwen2ForCausalLM(swa), AttentionConfig(name="full"))
+    model = _model("llama", "nsa")
+    with pytest.raises(ValueError, match="already patched with NSA sizes"):
+        patch_model(model, AttentionConfig(name="nsa", **{**SMALL_NSA, "cmp_block": 32}))
+    ids = torch.randint(0, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    with pytest.raises(NotImplementedError, match="not padding masks"):
+        model(input_ids=ids, attention_mask=mask)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="no KV-cache decoding"):
+        model.generate(ids[:1], max_new_tokens=2, do_sample=False)

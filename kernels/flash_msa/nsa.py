@@ -167,9 +167,10 @@ class Compression(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # proj = 0 makes phi exactly mean pooling at step 0: a pretrained model's compressed keys
-        # start as the average of its real keys, so the compressed branch is meaningful at once.
-        # weight and pos get small random values so that proj receives gradient from the first step.
+        # proj = 0 makes phi mean pooling at step 0, plus the mean of the small position encodings
+        # (about 0.004 per element): a pretrained model's compressed keys start as (nearly) the
+        # average of its real keys, so the compressed branch is meaningful at once. weight gets small
+        # random values so that proj receives gradient from the first step.
         with torch.no_grad():
             nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
             nn.init.normal_(self.pos, std=0.02)

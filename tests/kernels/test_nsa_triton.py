@@ -23,6 +23,10 @@ CASES = {  # (cu_seqlens, HQ, HK, D, sizes)
     "local-G3-D64": ([0, 150, 300], 6, 2, 64, dict(cmp_block=32, cmp_stride=16, slc_block=32, slc_topk=5, window=64)),
     # a stream shorter than one compression stride: no compressed row at all
     "shorter-than-stride": ([0, 3, 5], 8, 2, 16, dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=3, window=24)),
+    # a compression block longer than the selection block: the queries of own blocks 1-3 see no
+    # compressed token (top-k runs the reference there), and fmsa's local blocks go to the window
+    "cmp-longer-than-slc": ([0, 80, 130], 2, 1, 16, dict(cmp_block=64, cmp_stride=16, slc_block=16, slc_topk=3,
+                                                         window=32)),
 }
 
 
@@ -41,7 +45,8 @@ def _inputs(cu_list, HQ, HK, D, l, device, dtype):
     return cu, leaves
 
 
-@pytest.mark.parametrize("case", ["varlen-G5", "G4-defaults-D32", "G16-D128", "shorter-than-stride"])
+@pytest.mark.parametrize("case", ["varlen-G5", "G4-defaults-D32", "G16-D128", "shorter-than-stride",
+                                  "cmp-longer-than-slc"])
 def test_nsa_triton_matches_reference(case, device):
     _check_against_reference(case, device)
 
@@ -130,7 +135,8 @@ def _check_against_reference(case, device, gate_values=(), batch=None):
     else:
         # every Triton branch, with each selected-attention loop order in one case (interpreter)
         selected = {"varlen-G5": "fmsa", "G16-D128": "nsa", "batch2-G4-D64": "fmsa", "local-G5": "fmsa",
-                    "local-G3-D64": "fmsa", "shorter-than-stride": "fmsa"}.get(case, "reference")
+                    "local-G3-D64": "fmsa", "shorter-than-stride": "fmsa",
+                    "cmp-longer-than-slc": "fmsa"}.get(case, "reference")
         o = _compose(BRANCHES["triton"], q[0], k[0], v[0], gates[0], (kw, kp, kj), (vw, vp, vj), cu,
                      sizes["cmp_block"], sizes["cmp_stride"], sizes["slc_block"], sizes["slc_topk"],
                      sizes["window"], scale, selected, uniform=(batch, T // batch) if batch else None).view(1, T, HQ, D)

@@ -141,7 +141,9 @@ def select_blocks_chunked(
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             s, mask = _compressed_scores(q[c0:c1], k_cmp, row0[c0:c1], n_vis[c0:c1], scale, acc)
-            p = torch.exp(s - lse[c0:c1].to(acc).view(c1 - c0, HK, HQ // HK, 1)) * mask  # [C, HK, G, Tc]
+            # masked before the exp: a query that sees no compressed token has lse = -inf, and
+            # exp(s + inf) * 0 would be NaN (cmp_block > slc_block leaves own blocks without one)
+            p = torch.where(mask, torch.exp(s - lse[c0:c1].to(acc).view(c1 - c0, HK, HQ // HK, 1)), 0.)  # [C, HK, G, Tc]
             score = p.sum(2) @ w_rows  # [C, HK, n_blocks], summed over the group in fp32
             own = ((torch.arange(c0, c1, device=q.device) - start[c0:c1]) // slc_block)[:, None, None]
             j = torch.arange(n_blocks, device=q.device)
@@ -229,7 +231,8 @@ def select_blocks_naive(q, k_cmp, lse, cu_seqlens, cu_cmp, block, stride, slc_bl
         for (s0, s1), r0 in zip(_sequences(cu_seqlens), cu_cmp.tolist()):
             s, vis = _seq_compressed_probs(q, k_cmp, s0, s1, r0, block, stride, scale, acc)
             n = s.shape[-1]
-            p = (torch.exp(s - lse[s0:s1].to(acc).T[..., None]) * vis).view(HK, G, s1 - s0, n).sum(1).cpu()
+            p = torch.where(vis, torch.exp(s - lse[s0:s1].to(acc).T[..., None]), 0.)  # NaN-free, as above
+            p = p.view(HK, G, s1 - s0, n).sum(1).cpu()
             for t in range(s1 - s0):
                 own = t // slc_block
                 for h in range(HK):

@@ -21,7 +21,7 @@ def _block_scores(q, k_cmp, lse, cu, cu_cmp, l, d, lp, scale):
     Tc, HK = k_cmp.shape[:2]
     start, row0, n_vis = _visible(cu, cu_cmp, T, Tc, l, d, q.device)
     s, mask = _compressed_scores(q, k_cmp, row0, n_vis, scale, torch.float64)
-    p = torch.exp(s - lse.double().view(T, HK, HQ // HK, 1)) * mask
+    p = torch.where(mask, torch.exp(s - lse.double().view(T, HK, HQ // HK, 1)), 0.)  # NaN-free where lse = -inf
     rows = torch.arange(Tc, device=q.device)
     seq = torch.searchsorted(cu_cmp[1:].long(), rows, right=True).clamp_max(cu_cmp.numel() - 2)
     i_rel = rows - cu_cmp.long()[seq]
@@ -275,3 +275,27 @@ def test_select_blocks_more_than_16_slots(key32, device, monkeypatch):
     monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, key32=key32))
     idx = _check([0, 30, 900], 4, 2, 16, 20, 16, device, l=16, d=16)
     assert (idx[-1] >= 0).sum(-1).eq(20).all()
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_select_blocks_compression_block_longer_than_selection_block(n, device):
+    """cmp_block 64 > slc_block 16 (top-k then runs the reference): queries of the own blocks 1-3
+    see no compressed token yet (lse = -inf); their forced blocks (0, own - 1, own) are still all
+    selected, and the naive and chunked forms agree."""
+    from flash_msa.compression.naive import select_blocks_naive
+
+    cu_list, l, d, lp = [0, 20, 150], 64, 16, 16
+    idx = _check(cu_list, 2, 1, 16, n, lp, device, l=l, d=d)
+    cu = torch.tensor(cu_list)
+    for t in range(150):
+        s0 = int(cu[torch.searchsorted(cu[1:], torch.tensor(t), right=True)])
+        own = (t - s0) // lp
+        assert {0, own, max(own - 1, 0)} <= set(idx[t, 0].tolist()), (t, idx[t, 0].tolist())
+    q = torch.randn(150, 2, 16, device=device, dtype=torch.float32)
+    k = torch.randn(150, 1, 16, device=device, dtype=torch.float32)
+    cuj = torch.tensor(cu_list, dtype=torch.int32, device=device)
+    kc, cu_cmp = reference.compress_kv(k, torch.randn(1, l * 16, 16, device=device) / 32, torch.zeros(1, l, 16, device=device),
+                                       cuj, l, d)
+    _, lse = reference.compressed_attention(q, kc, kc, cuj, cu_cmp, l, d, 0.25)
+    naive = select_blocks_naive(q, kc, lse, cuj, cu_cmp, l, d, lp, n, 0.25)
+    assert torch.equal(naive.cpu(), reference.select_blocks(q, kc, lse, cuj, cu_cmp, l, d, lp, n, 0.25).cpu())

@@ -135,6 +135,8 @@ def nsa_attention(
     check_tensor("gates", gates, ndim=4, layout="[B, T, HQ, 3]")
     if tuple(gates.shape) != (B, T, HQ, 3):
         raise ValueError(f"gates must have shape [B={B}, T={T}, HQ={HQ}, 3], got {tuple(gates.shape)}")
+    if gates.device != q.device:
+        raise ValueError(f"gates must be on the device of q ({q.device}), got {gates.device}")
     check_gates_range(gates)
     check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window)
     _check_compression("k_cmp", k_cmp_weight, k_cmp_pos, k_cmp_proj, HK, D, cmp_block, q.device)

@@ -92,6 +92,7 @@ def nsa_args(**over):
 
 NSA_CASES = {
     "gates_shape": (dict(gates=torch.rand(1, T, HQ, 2)), {}, "gates must have shape"),
+    "gates_device": (dict(gates=torch.rand(1, T, HQ, 3, device="meta")), {}, r"gates must be on the device of q \(cpu\)"),
     "gates_negative": (dict(gates=torch.rand(1, T, HQ, 3).index_fill_(1, torch.tensor([3]), -0.5)), {},
                        r"gates must lie in \[0, 1\].*gates\[0, 3, 0, 0\] = -0.5"),
     "gates_nan": (dict(gates=torch.rand(1, T, HQ, 3).index_fill_(2, torch.tensor([1]), float("nan"))), {},

@@ -138,6 +138,10 @@ class Trainer:
         self._init_context = model_init_context(cfg.parallel.zero_stage, self.ds_config)  # kept alive: see its doc
         # Built directly in the training dtype: DeepSpeed's bf16 optimizer keeps its own fp32 master copy.
         dtype = torch.bfloat16 if self.bf16 else torch.float32
+        # seeded right here: what ran since the seed above (tokenising, the meta-device count, the
+        # first import of a library) may have drawn from the generator, and the weights must not
+        # depend on it (the same init on every rank and in every process)
+        torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, cfg.attention, dtype=dtype, init_context=self._init_context)
         if self.sp is not None:
             from msa_train.models import _head_dims

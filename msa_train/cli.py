@@ -70,7 +70,20 @@ def run(cfg) -> dict:
 
     typed = to_typed(cfg)  # every __post_init__ check runs here, before any work
     _quiet_libraries()
-    return Trainer(typed).train()
+    summary = Trainer(typed).train()
+    _shutdown_distributed()
+    return summary
+
+
+def _shutdown_distributed() -> None:
+    """All ranks done: tear the process groups down before the interpreter exits. Left to exit,
+    the communicators' threads (gloo's, several groups with sequence parallelism) can be destroyed
+    while running, which aborts the process ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _quiet_libraries() -> None:

@@ -96,12 +96,18 @@ def find_latest(ckpt_root: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def _discard(path: Path) -> None:
-    """Remove a checkpoint directory: out of sight first (one rename), then deleted."""
-    trash = path.with_name(f".trash_{path.name}")
+def swap_in(new: Optional[Path], final: Path) -> None:
+    """Put the complete directory ``new`` at ``final`` (or, with ``new`` None, remove ``final``): an
+    existing ``final`` is renamed out of sight first (``.trash_<name>``), the new one renamed in right
+    after, the parent fsynced, and only then is the old one deleted. A kill leaves no half-deleted
+    directory under the final name."""
+    trash = final.with_name(f".trash_{final.name}")
     shutil.rmtree(trash, ignore_errors=True)
-    os.rename(path, trash)
-    _fsync_dir(path.parent)
+    if final.exists():
+        os.rename(final, trash)
+    if new is not None:
+        os.rename(new, final)
+    _fsync_dir(final.parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -133,15 +139,7 @@ class CheckpointManager:
             with open(tmp / COMPLETE, "rb") as f:
                 os.fsync(f.fileno())
             _fsync_dir(tmp)  # the marker's directory entry, before the rename publishes it
-            trash = None
-            if final.exists():  # re-saving the same step (e.g. final == periodic): swap, then delete
-                trash = final.with_name(f".trash_{final.name}")
-                shutil.rmtree(trash, ignore_errors=True)
-                os.rename(final, trash)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            if trash is not None:
-                shutil.rmtree(trash, ignore_errors=True)
+            swap_in(tmp, final)  # replaces a checkpoint of the same step (e.g. final == periodic)
             self._prune(step)
         _barrier()
         return final
@@ -152,7 +150,7 @@ class CheckpointManager:
             return
         complete = [(s, p) for s, p in complete_checkpoints(self.root) if s <= step]
         for _, path in complete[:-self.keep]:
-            _discard(path)
+            swap_in(None, path)
 
     def recover(self) -> None:
         """Collective. Finish a re-save that a kill interrupted between its two renames: a complete

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from msa_train.checkpoint import CheckpointManager
+from msa_train.checkpoint import CheckpointManager, swap_in
 from msa_train.config import RootConfig
 from msa_train.loss import IGNORE_INDEX
 from msa_train.metrics import MetricsLogger, model_flops_per_token, peak_memory_gb, peak_tflops
@@ -226,10 +226,13 @@ class Trainer:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def _next_batch(self) -> Dict[str, Any]:
-        """One micro-batch on the host: validated once here so the model runs with trusted inputs."""
+        return self._batch_of(next(self._sampler_iter))  # the sampler is infinite: epochs reshuffle
+
+    def _batch_of(self, index: int) -> Dict[str, Any]:
+        """Micro-batch of dataset item ``index`` on the host: validated once here so the model runs
+        with trusted inputs."""
         from flash_msa.utils.validation import check_cu_seqlens
 
-        index = next(self._sampler_iter)  # the sampler is infinite: epochs reshuffle
         item = self.dataset[index]
         input_ids, cu = item["input_ids"], item["cu_seqlens"]
         check_cu_seqlens(cu, 1, input_ids.shape[0], torch.device("cpu"))
@@ -249,11 +252,15 @@ class Trainer:
             "mean_context": float((lengths * (lengths + 1) / 2).sum() / input_ids.shape[0]),
         }
 
+    def _forward(self, m: Dict[str, Any]) -> torch.Tensor:
+        """The engine's forward on micro-batch m (its host-only entries left out): the summed token
+        loss, or with DPO's segments the loss per segment."""
+        return self.engine(**{k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items()
+                              if k not in ("mean_context", "index")})
+
     # ------------------------------------------------------------------ step
     def train_step(self) -> Dict[str, Any]:
         """One optimizer step. Returns device tensors and host floats; nothing here syncs the host."""
-        from flash_msa import trusted_inputs
-
         gas, world = self.cfg.train.grad_accum, self.dist.world_size
         lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step's update uses
         # 1. batch: all micro-batches of this step, on the host.
@@ -265,39 +272,47 @@ class Trainer:
         n_local = sum(int((m["targets"] != IGNORE_INDEX).sum()) for m in micro)
         n_global = self._to_device(torch.tensor(float(n_local)))
         dist.all_reduce(n_global)
-        loss_sum = torch.zeros((), device=self.device)
-        grad_norm = None
+
+        def loss_of(m):
+            micro_loss_sum = self._forward(m)  # 2. forward
+            # DeepSpeed averages gradients over ranks and divides by grad_accum; undo both so the
+            # gradient is that of (sum of token losses) / (global label tokens).
+            return micro_loss_sum * (world * gas) / n_global.clamp_min(1.0), micro_loss_sum.detach()
+
+        loss_sum, grad_norm = self._micro_steps(micro, loss_of)
+        return self._step_out(micro, lr, loss_sum, n_global, grad_norm)
+
+    def _micro_steps(self, micro: List[Dict[str, Any]], loss_of) -> tuple:
+        """Forward, backward and DeepSpeed's step for every micro-batch; ``loss_of(m)`` returns (the loss
+        to differentiate, detached statistics to sum). Returns (the summed statistics, the pre-clip
+        gradient norm on ZeRO-0, else None)."""
+        from flash_msa import trusted_inputs
+
+        sums, grad_norm = None, None
         for i, m in enumerate(micro):
-            batch = {k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items() if k != "mean_context"}
             # cu_seqlens was validated on the host: skip flash_msa's per-layer value checks (a host
             # sync each) in the forward and in the backward, whose activation checkpointing re-runs it.
             with trusted_inputs():
-                # 2. forward
-                micro_loss_sum = self.engine(**batch)
-                # DeepSpeed averages gradients over ranks and divides by grad_accum; undo both so the
-                # gradient is that of (sum of token losses) / (global label tokens).
-                loss = micro_loss_sum * (world * gas) / n_global.clamp_min(1.0)
+                loss, stats = loss_of(m)
                 # 3. backward, 4. step (DeepSpeed steps the optimizer and LR at the accumulation boundary).
                 self.engine.backward(loss)
-            if i == gas - 1 and self.cfg.parallel.zero_stage == 0:
+            if i == len(micro) - 1 and self.cfg.parallel.zero_stage == 0:
                 # ZeRO 1-3 report the pre-clip norm themselves; stage 0 does not, so take it here,
                 # after the boundary all-reduce and before the clipping step (a device tensor).
                 grad_norm = _grad_norm(self.module)
             self.engine.step()
-            loss_sum = loss_sum + micro_loss_sum.detach()
+            sums = stats if sums is None else sums + stats
+        return sums, grad_norm
+
+    def _step_out(self, micro, lr, loss_sum, n_global, grad_norm, **extra) -> Dict[str, Any]:
+        """Counts the step and its tokens; the step's record before the host-side log."""
         self.step += 1
-        tokens = gas * self.layout.dp_size * self.cfg.train.seq_len  # the ranks of an SP group share sequences
+        tokens = len(micro) * self.layout.dp_size * self.cfg.train.seq_len  # the ranks of an SP group share sequences
         self.tokens_seen += tokens
         return {"loss_sum": loss_sum, "n_global": n_global, "tokens": tokens, "lr": lr, "grad_norm": grad_norm,
-                "mean_context": sum(m["mean_context"] for m in micro) / gas}
+                "mean_context": sum(m["mean_context"] for m in micro) / len(micro), **extra}
 
     # ------------------------------------------------------------------ DPO
-    def _pair_logps(self, m: Dict[str, Any]) -> torch.Tensor:
-        """[2] fp32 log-probabilities of the chosen and the rejected response of micro-batch m."""
-        batch = {k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items()
-                 if k not in ("mean_context", "index")}
-        return -self.engine(**batch)[:2]  # the engine returns per-segment losses
-
     def _build_reference(self) -> None:
         """DPO's reference: the log-probabilities of the starting model, for every pair this rank will
         train on (the next ``train.steps * grad_accum`` items of its sampler), computed once before the
@@ -316,18 +331,14 @@ class Trainer:
         sampler = type(self.sampler)(self.sampler.num_items, seed=self.sampler.seed, rank=self.sampler.rank,
                                      world_size=self.sampler.world_size)
         sampler.load_state_dict(self.sampler.state_dict())
-        order, it = [], iter(sampler)
-        for _ in range(cfg.steps * cfg.grad_accum):  # as many forwards on every rank (ZeRO-3 gathers)
-            order.append(next(it))
-        saved_iter, self._sampler_iter = self._sampler_iter, iter(order)
+        it = iter(sampler)
+        order = [next(it) for _ in range(cfg.steps * cfg.grad_accum)]  # as many forwards on every rank (ZeRO-3 gathers)
         reference: Dict[int, List[float]] = {}
         self.module.eval()
         with torch.no_grad(), trusted_inputs():
-            for index in order:
-                m = self._next_batch()
-                reference[index] = self._pair_logps(m).tolist()  # host floats: a sync per pair, setup only
+            for index in order:  # host floats: a sync per pair, setup only
+                reference[index] = (-self._forward(self._batch_of(index))[:2]).tolist()
         self.module.train()
-        self._sampler_iter = saved_iter
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         torch.save(reference, tmp)
@@ -337,33 +348,23 @@ class Trainer:
     def _dpo_step(self, micro: List[Dict[str, Any]], lr: float) -> Dict[str, Any]:
         """One optimizer step of DPO: loss -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) per
         pair, the mean over the global batch's pairs (DeepSpeed averages over ranks and micro steps)."""
-        from flash_msa import trusted_inputs
+        beta = self.cfg.train.dpo_beta
 
-        gas, beta = self.cfg.train.grad_accum, self.cfg.train.dpo_beta
-        sums = torch.zeros(3, device=self.device)  # loss, reward accuracy, reward margin
-        grad_norm = None
-        for i, m in enumerate(micro):
+        def loss_of(m):
             if m["index"] not in self._reference:
                 raise ValueError(f"DPO: no reference log-probabilities for pair {m['index']}: this run's reference "
                                  f"covers the pairs of its first train.steps={self.cfg.train.steps} steps as set "
                                  "when it started; extend a DPO run by starting a new one from its hf/ export")
             ref = self._to_device(torch.tensor(self._reference[m["index"]]))
-            with trusted_inputs():
-                logps = self._pair_logps(m)
-                margin = beta * ((logps[0] - ref[0]) - (logps[1] - ref[1]))
-                loss = -torch.nn.functional.logsigmoid(margin)
-                self.engine.backward(loss)
-            if i == gas - 1 and self.cfg.parallel.zero_stage == 0:
-                grad_norm = _grad_norm(self.module)
-            self.engine.step()
-            sums = sums + torch.stack([loss.detach(), (margin > 0).float().detach(), margin.detach()])
-        self.step += 1
-        tokens = gas * self.layout.dp_size * self.cfg.train.seq_len
-        self.tokens_seen += tokens
-        n_pairs = torch.tensor(float(gas * self.dist.world_size), device=self.device)
-        return {"loss_sum": sums[0], "n_global": n_pairs, "tokens": tokens, "lr": lr, "grad_norm": grad_norm,
-                "mean_context": sum(m["mean_context"] for m in micro) / gas,
-                "pair_sums": {"reward_accuracy": sums[1], "reward_margin": sums[2]}}
+            logps = -self._forward(m)[:2]  # chosen, rejected: the engine returns per-segment losses
+            margin = beta * ((logps[0] - ref[0]) - (logps[1] - ref[1]))
+            loss = -torch.nn.functional.logsigmoid(margin)
+            return loss, torch.stack([loss, (margin > 0).float(), margin]).detach()  # loss, reward accuracy, margin
+
+        sums, grad_norm = self._micro_steps(micro, loss_of)
+        n_pairs = torch.tensor(float(len(micro) * self.dist.world_size), device=self.device)
+        return self._step_out(micro, lr, sums[0], n_pairs, grad_norm,
+                              pair_sums={"reward_accuracy": sums[1], "reward_margin": sums[2]})
 
     def _log(self, out: Dict[str, Any], elapsed: float, tokens: int) -> Dict[str, Any]:
         loss_sum = out["loss_sum"].clone()
@@ -465,15 +466,11 @@ class Trainer:
         if self.dist.is_main:
             # written beside, then swapped in (as the checkpoints): a kill mid-write leaves the
             # previous hf/ (or none), never a half-written one
-            final, tmp, old = (self.run_dir / n for n in ("hf", ".tmp_hf", ".old_hf"))
-            for d in (tmp, old):
-                shutil.rmtree(d, ignore_errors=True)
+            tmp = self.run_dir / ".tmp_hf"
+            shutil.rmtree(tmp, ignore_errors=True)
             save_pretrained(self.model, str(tmp), state_dict=state)
             self.tokenizer.save_pretrained(str(tmp))
-            if final.exists():
-                os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            swap_in(tmp, self.run_dir / "hf")
         if dist.is_initialized():
             dist.barrier()
 

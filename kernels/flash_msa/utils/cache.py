@@ -24,12 +24,21 @@ On CUDA two more rules, as for ``flash_msa.utils.varlen.default_cu_seqlens``:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 _CACHE: list = []  # [(fn, static args, weakrefs to the tensor args, their _versions, value)], newest last
 _CACHE_SIZE = 16
+
+
+def cuda_cache_scope(device: torch.device) -> tuple[bool, Optional[int]]:
+    """The CUDA rules of the caches of flash_msa (this module's and ``default_cu_seqlens``):
+    (whether a value may be cached now: not during CUDA graph capture; the key part that keeps
+    one value per CUDA stream, None on other devices). See the module docstring."""
+    if device.type != "cuda":
+        return True, None
+    return not torch.cuda.is_current_stream_capturing(), torch.cuda.current_stream(device).cuda_stream
 
 
 def per_batch(fn: Callable[..., Any], *args) -> Any:
@@ -40,9 +49,10 @@ def per_batch(fn: Callable[..., Any], *args) -> Any:
     statics = tuple(a for a in args if not isinstance(a, torch.Tensor))
     cuda = next((t.device for t in tensors if t.is_cuda), None)
     if cuda is not None:
-        if torch.cuda.is_current_stream_capturing():  # see the module docstring
+        cacheable, stream = cuda_cache_scope(cuda)
+        if not cacheable:
             return fn(*args)
-        statics += (torch.cuda.current_stream(cuda).cuda_stream,)
+        statics += (stream,)
     for f, st, refs, versions, value in reversed(_CACHE):
         if (f is fn and st == statics and len(refs) == len(tensors)
                 and all(r() is t and v == t._version for r, v, t in zip(refs, versions, tensors))):

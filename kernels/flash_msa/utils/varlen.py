@@ -31,9 +31,11 @@ def default_cu_seqlens(B: int, T: int, device: torch.device) -> torch.Tensor:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    cached = not (torch.is_inference_mode_enabled()
-                  or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
-    key = (B, T, device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+    from flash_msa.utils.cache import cuda_cache_scope
+
+    cacheable, stream = cuda_cache_scope(device)
+    cached = cacheable and not torch.is_inference_mode_enabled()
+    key = (B, T, device, stream)
     cu = _DEFAULT_CU.pop(key, None) if cached else None  # re-inserted below: the most recently used last
     if cu is None or cu._version != 0:
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)

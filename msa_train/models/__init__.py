@@ -29,7 +29,8 @@ from msa_train.models.family import ModelFamily
 _DTYPE_KW = "dtype" if tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2]) >= (4, 56) \
     else "torch_dtype"
 REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
-_HOOKED = "_msa_hidden_hook"
+_HOOKED = "_msa_hidden_hook"  # on each attention module patch_model patched
+_MASK_HOOKED = "_msa_mask_hook"  # on the decoder
 
 
 def family_of(config) -> ModelFamily:
@@ -124,9 +125,9 @@ def patch_model(model: nn.Module, attention_cfg: Union[AttentionConfig, Mapping[
             attn.register_forward_pre_hook(stash_hidden_states, with_kwargs=True)
             setattr(attn, _HOOKED, True)
     decoder = getattr(model, "model", None)
-    if decoder is not None and not getattr(decoder, _HOOKED, False):
+    if decoder is not None and not getattr(decoder, _MASK_HOOKED, False):
         decoder.register_forward_pre_hook(_refuse_padding_mask, with_kwargs=True)
-        setattr(decoder, _HOOKED, True)
+        setattr(decoder, _MASK_HOOKED, True)
     _set_attn_implementation(model, NSA if cfg.is_sparse else FULL)
     model.config.msa_attention = dataclasses.asdict(cfg)
     return model

@@ -104,9 +104,11 @@ def build_layout(sp_degree: int, rank: int, world_size: int) -> ParallelLayout:
 
 def attach(model: torch.nn.Module, sp: Optional[SequenceParallel]) -> int:
     """Give every attention module patched by msa_train the SP group; returns how many got it."""
+    from msa_train.models import _HOOKED  # the mark patch_model leaves on the modules it patched
+
     n = 0
     for module in model.modules():
-        if getattr(module, "_msa_hidden_hook", False):  # set by msa_train.models.patch_model
+        if getattr(module, _HOOKED, False):
             setattr(module, SP_ATTR, sp)
             n += 1
     return n

@@ -193,12 +193,15 @@ class CheckpointManager:
     def read_trainer_state(path: Path) -> Dict[str, Any]:
         return json.loads((Path(path) / "trainer_state.json").read_text())
 
-    def load(self, engine, path: Path) -> tuple[Dict[str, Any], Dict[str, Any]]:
-        """Restore engine (weights, optimizer, LR schedule) and RNG; returns (trainer_state, rank_state)."""
-        load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+    def load(self, engine, path: Path, weights_only: bool = False) -> tuple[Dict[str, Any], Dict[str, Any]]:
+        """Restore engine (weights, optimizer, LR schedule) and RNG; returns (trainer_state, rank_state).
+        ``weights_only`` (evaluation) restores the weights alone: rank_state is then empty."""
+        load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=not weights_only,
+                                              load_lr_scheduler_states=not weights_only)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+        if weights_only:
+            return self.read_trainer_state(path), {}
         rank_file = path / f"rank_{self.rank:05d}.pt"
         if not rank_file.is_file():
             raise ValueError(f"{path} has no state for rank {self.rank}: was it saved with a different world size?")

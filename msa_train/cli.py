@@ -64,13 +64,13 @@ def register_all() -> None:
 
 
 def run(cfg) -> dict:
-    """Validate the composed config and train. Returns the run summary."""
+    """Validate the composed config and train (or evaluate, with eval.only). Returns the run summary."""
     from msa_train.config import to_typed
     from msa_train.trainer import Trainer
 
     typed = to_typed(cfg)  # every __post_init__ check runs here, before any work
     _quiet_libraries()
-    summary = Trainer(typed).train()
+    summary = Trainer(typed).run()
     _shutdown_distributed()
     return summary
 

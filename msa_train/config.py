@@ -156,6 +156,26 @@ class LoggerConfig:
             _choice("logger.mode", self.mode, WANDB_MODES)
 
 
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: next-token loss (overall and by position in the document) on
+    ``data.eval_path`` / ``data.eval_fraction``, and synthetic pass-key retrieval (msa_train/evaluation.py).
+    With DPO: the DPO loss and reward accuracy on held-out pairs."""
+    every: int = 0                       # optimizer steps between evaluations; 0 = none during training
+    at_start: bool = False               # also evaluate before the first step (the starting model)
+    at_end: bool = True                  # evaluate after the last step (when there is evaluation data)
+    only: bool = False                   # evaluate once and exit, no training: the model of model.path, or the
+                                         # checkpoint train.resume names; writes <train.output_dir>/eval.json
+    max_sequences: int = 0               # packed sequences (or pairs) per evaluation; 0 = all
+    position_buckets: int = 6            # loss by position: [0, T/2^(n-1)), ..., [T/4, T/2), [T/2, T)
+    passkey: int = 0                     # pass-key retrieval probes per evaluation (0 = none), train.seq_len long
+
+    def __post_init__(self):
+        for key in ("every", "max_sequences", "passkey"):
+            _at_least(f"eval.{key}", getattr(self, key), 0, "an integer >= 0")
+        _at_least("eval.position_buckets", self.position_buckets, 1, "an integer >= 1")
+
+
 def _data_config_cls():
     from msa_train.data import DataConfig
     return DataConfig
@@ -172,6 +192,7 @@ class RootConfig:
     data: Any = MISSING                  # msa_train.data.DataConfig (typed at registration)
     train: TrainConfig = MISSING
     logger: LoggerConfig = MISSING
+    eval: EvalConfig = MISSING
     recipe_name: str = "custom"
 
     def __post_init__(self):
@@ -186,6 +207,14 @@ class RootConfig:
         if dpo and self.parallel.sp_degree != 1:
             raise ValueError("train.objective=dpo runs with parallel.sp_degree=1 (a pair's log-probabilities are "
                              "summed over its sequence, which sequence parallelism splits)")
+        ev, has_data = self.eval, self.data.has_eval or self.eval.passkey > 0
+        if (ev.every or ev.at_start or ev.only) and not has_data:
+            what = "eval.only=true" if ev.only else f"eval.every={ev.every}" if ev.every else "eval.at_start=true"
+            raise ValueError(f"{what} needs evaluation data: set data.eval_path (files) or data.eval_fraction (held-out "
+                             "documents), or eval.passkey (synthetic probes)")
+        if 2 ** (ev.position_buckets - 1) > self.train.seq_len:
+            raise ValueError(f"eval.position_buckets={ev.position_buckets}: the first of them would be shorter than one "
+                             f"token at train.seq_len={self.train.seq_len}")
         if self.attention.is_sparse and self.train.seq_len < self.attention.slc_block:
             raise ValueError(f"train.seq_len={self.train.seq_len} must be >= attention.slc_block="
                              f"{self.attention.slc_block}")

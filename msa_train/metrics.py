@@ -49,6 +49,21 @@ def model_flops_per_token(n_matmul: int, num_layers: int, attn_dim: int, mean_co
     return 6.0 * n_matmul + 12.0 * num_layers * attn_dim * mean_context
 
 
+def format_eval(record: Dict[str, Any]) -> str:
+    """One line for the terminal: the headline figures of an evaluation record."""
+    parts = [f"eval step {record['step']}:"]
+    for key, label, fmt in (("eval_loss", "loss", "{:.4f}"), ("eval_ppl", "ppl", "{:.2f}"),
+                            ("eval_reward_accuracy", "reward acc", "{:.3f}"),
+                            ("eval_passkey_accuracy", "pass-key acc", "{:.3f}")):
+        if record.get(key) is not None:
+            parts.append(f"{label} {fmt.format(record[key])}")
+    by_pos = [(k[len("eval_loss_pos_"):].replace("_", "-"), v) for k, v in record.items()
+              if k.startswith("eval_loss_pos_") and v is not None]
+    if by_pos:
+        parts.append("by position " + " ".join(f"{k}:{v:.3f}" for k, v in by_pos))
+    return "  ".join(parts)
+
+
 class MetricsLogger:
     """Writes metrics.jsonl (+ wandb) and drives the progress bar on rank 0."""
 
@@ -123,6 +138,19 @@ class MetricsLogger:
                                   tps=f"{record['tokens_per_s']:,.0f}",
                                   mfu="-" if mfu is None else f"{100 * mfu:.1f}%",
                                   mem=f"{record['peak_memory_gb']:.2f}")
+
+    def log_eval(self, record: Dict[str, Any]) -> None:
+        """An evaluation record (its keys start with ``eval_``): metrics.jsonl, wandb, and one terminal line."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+        line = format_eval(record)
+        if self._progress is not None:
+            self._progress.console.print(line)
+        else:
+            print(line, flush=True)
 
     def advance(self, step: int) -> None:
         if self._progress is not None:

@@ -73,6 +73,24 @@ def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) ->
                          "resume with the same settings, or start fresh with train.resume=none and a new train.output_dir")
 
 
+def check_eval_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> None:
+    """``eval.only`` on a checkpoint: the weights must fit this run's model and ZeRO layout; the
+    sparse attention variant, the sequence length, the data and the training settings may differ."""
+    def fits(rc):
+        attention = {k: v for k, v in rc.get("attention", {}).items() if k != "name"}
+        attention["sparse"] = rc.get("attention", {}).get("name") != "full"  # NSA's parameters or none
+        # ZeRO-3 partitions the weights by rank; DPO's reference is stored per rank
+        per_rank = rc.get("zero_stage") == 3 or rc.get("train", {}).get("objective") == "dpo"
+        return {"model": rc.get("model"), "attention": attention, "zero_stage": rc.get("zero_stage"),
+                "world_size": rc.get("world_size") if per_rank else None}
+    a, b = fits(saved), fits(current)
+    changed = [k for k in a if a[k] != b[k]]
+    if saved and changed:
+        shown = ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in changed)
+        raise ValueError(f"eval.only: checkpoint {path} does not fit this run ({shown}); evaluate its run's hf/ "
+                         "export with model.path=<run>/hf instead, under any settings")
+
+
 class Trainer:
     """torchtitan-style trainer: ``__init__`` is the ordered list of ``_build_*`` steps."""
 
@@ -118,7 +136,13 @@ class Trainer:
 
         cfg = self.cfg
         self.tokenizer = data.build_tokenizer(cfg.data, cfg.model.path)
-        self.dataset = data.build_packed_dataset(cfg.data, self.tokenizer, cfg.train.seq_len)
+        self.dataset, self.eval_dataset = data.build_packed_datasets(cfg.data, self.tokenizer, cfg.train.seq_len)
+        self.passkey_probes = []
+        if cfg.eval.passkey:
+            from msa_train.evaluation import passkey_probes
+
+            self.passkey_probes = passkey_probes(self.tokenizer, cfg.train.seq_len, cfg.eval.passkey, cfg.data.seed,
+                                                 cfg.data.add_bos)
         # the ranks of a sequence-parallel group draw the same sequence (each keeps its shard of it)
         self.sampler = data.ResumableSampler(len(self.dataset), seed=cfg.data.seed, rank=self.layout.dp_rank,
                                              world_size=self.layout.dp_size)
@@ -184,7 +208,13 @@ class Trainer:
         if path is not None:
             # the settings first: a differently configured run is refused by name, before DeepSpeed
             # tries to read a checkpoint of another layout
-            check_resume_config(self.ckpt.read_trainer_state(path).get("run_config", {}), self._run_config(), path)
+            saved_config = self.ckpt.read_trainer_state(path).get("run_config", {})
+            if cfg.eval.only:  # the weights alone
+                check_eval_config(saved_config, self._run_config(), path)
+                self.step = self.ckpt.load(self.engine, path, weights_only=True)[0]["step"]
+                self.resumed_from = str(path)
+                return
+            check_resume_config(saved_config, self._run_config(), path)
             trainer_state, rank_state = self.ckpt.load(self.engine, path)
             self.step = trainer_state["step"]
             self.tokens_seen = trainer_state["tokens_seen"]
@@ -198,6 +228,8 @@ class Trainer:
                             "is rebuilt for %d steps, so from step %d on the rate follows the new schedule "
                             "(resume with train.steps=%d to continue the old one exactly)",
                             cfg.train.steps, saved_steps, cfg.train.steps, self.step + 1, saved_steps)
+        if cfg.eval.only:
+            return  # evaluates the model as built and writes no checkpoint
         self.ckpt.check_no_newer(self.step, path)
         if path is not None and self.step >= cfg.train.steps and self.dist.is_main:
             log.warning("the resumed checkpoint is at step %d, train.steps=%d: nothing to train (raise train.steps "
@@ -206,13 +238,16 @@ class Trainer:
     def _build_logger(self) -> None:
         cfg = self.cfg
         cfg_dict = dataclasses.asdict(cfg)
+        self.peak_tflops = peak_tflops(self.device, cfg.train.peak_tflops)
+        if cfg.eval.only:  # leaves the run directory's config and metrics alone: eval.json only
+            self.logger = None
+            return
         if self.dist.is_main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg_dict)))
             (self.run_dir / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str))
             (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
         self.logger = MetricsLogger(self.run_dir, cfg.logger, cfg.train.steps, self.step, self.dist.is_main,
                                     cfg.train.progress, cfg_dict)
-        self.peak_tflops = peak_tflops(self.device, cfg.train.peak_tflops)
         hf = self.model.config
         self._num_layers = hf.num_hidden_layers
         self._attn_dim = hf.num_attention_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
@@ -228,22 +263,31 @@ class Trainer:
     def _next_batch(self) -> Dict[str, Any]:
         return self._batch_of(next(self._sampler_iter))  # the sampler is infinite: epochs reshuffle
 
-    def _batch_of(self, index: int) -> Dict[str, Any]:
-        """Micro-batch of dataset item ``index`` on the host: validated once here so the model runs
-        with trusted inputs."""
+    def _batch_of(self, index: int, dataset=None) -> Dict[str, Any]:
+        """Micro-batch of item ``index`` of ``dataset`` (the training data by default) on the host."""
+        item = (self.dataset if dataset is None else dataset)[index]
+        if not self.dpo:
+            return self._make_batch(item)
+        # segment 0 is prompt + chosen, 1 prompt + rejected, 2 the padding (packing.py)
+        cu = item["cu_seqlens"]
+        seg = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long()).clamp_max(2)
+        return {**self._make_batch(item, seg, 3), "index": index}
+
+    def _make_batch(self, item: Dict[str, Any], segments: Optional[torch.Tensor] = None,
+                    num_segments: int = 0) -> Dict[str, Any]:
+        """A packed item as the engine's micro-batch, on the host: validated once here so the model runs
+        with trusted inputs. ``segments`` (int64 [T]) makes the loss come back per segment."""
         from flash_msa.utils.validation import check_cu_seqlens
 
-        item = self.dataset[index]
         input_ids, cu = item["input_ids"], item["cu_seqlens"]
         check_cu_seqlens(cu, 1, input_ids.shape[0], torch.device("cpu"))
         lengths = (cu[1:] - cu[:-1]).double()
         batch = {"input_ids": input_ids[None], "position_ids": item["position_ids"][None],
                  "targets": next_token_targets(item["labels"], cu)[None]}
-        if self.dpo:  # segment 0 is prompt + chosen, 1 prompt + rejected, 2 the padding (packing.py)
-            seg = torch.repeat_interleave(torch.arange(len(lengths)), (cu[1:] - cu[:-1]).long()).clamp_max(2)
-            batch.update(segments=seg[None], num_segments=3, index=index)
+        if segments is not None:
+            batch.update(segments=segments[None], num_segments=num_segments)
         if self.sp is not None:  # this rank's tokens; cu_seqlens keeps describing the whole sequence
-            batch = {k: self.sp.shard(v, 1) for k, v in batch.items()}
+            batch = {k: self.sp.shard(v, 1) if torch.is_tensor(v) else v for k, v in batch.items()}
         return {
             **batch,
             "cu_seqlens": cu,
@@ -252,11 +296,103 @@ class Trainer:
             "mean_context": float((lengths * (lengths + 1) / 2).sum() / input_ids.shape[0]),
         }
 
-    def _forward(self, m: Dict[str, Any]) -> torch.Tensor:
+    def _forward(self, m: Dict[str, Any], **kwargs) -> torch.Tensor:
         """The engine's forward on micro-batch m (its host-only entries left out): the summed token
         loss, or with DPO's segments the loss per segment."""
         return self.engine(**{k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items()
-                              if k not in ("mean_context", "index")})
+                              if k not in ("mean_context", "index")}, **kwargs)
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_shard(self, n: int) -> List[tuple]:
+        """This rank's share of n evaluation items, as (item, counts): every data-parallel rank runs
+        the same number of forwards (ZeRO-3 gathers parameters collectively), the ranks short of
+        items repeat item 0 without counting it; the ranks of a sequence-parallel group share items."""
+        dp, r = self.layout.dp_size, self.layout.dp_rank
+        return [(i, True) if i < n else (0, False) for i in range(r, -(-n // dp) * dp, dp)]
+
+    def evaluate(self) -> Dict[str, Any]:
+        """Evaluates the model as it is now on every rank (a collective): the held-out data (the LM loss,
+        by position too; with DPO the DPO loss and reward accuracy) and the pass-key probes. Returns the
+        record (host floats) that is logged to metrics.jsonl; see msa_train/evaluation.py."""
+        from flash_msa import trusted_inputs
+
+        t0 = time.perf_counter()
+        record: Dict[str, Any] = {"step": self.step}
+        was_training = self.module.training
+        self.module.eval()
+        with torch.no_grad(), trusted_inputs():
+            if self.eval_dataset is not None:
+                record.update(self._eval_pairs() if self.dpo else self._eval_lm())
+            if self.passkey_probes:
+                record.update(self._eval_passkey())
+        self.module.train(was_training)
+        record["eval_time_s"] = time.perf_counter() - t0
+        return record
+
+    def _eval_count(self) -> int:
+        n = len(self.eval_dataset)
+        return min(n, self.cfg.eval.max_sequences) if self.cfg.eval.max_sequences else n
+
+    def _eval_lm(self) -> Dict[str, Any]:
+        from msa_train.evaluation import lm_metrics, position_buckets, position_edges
+
+        edges = position_edges(self.cfg.train.seq_len, self.cfg.eval.position_buckets)
+        nb = len(edges) - 1
+        sums = torch.zeros(2, nb, device=self.device)  # loss, argmax-correct tokens per position bucket
+        counts = torch.zeros(nb, dtype=torch.float64)   # label tokens per bucket, counted on the host
+        for index, counted in self._eval_shard(self._eval_count()):
+            item = self.eval_dataset[index]
+            m = self._make_batch(item, position_buckets(item["position_ids"], edges), nb)
+            out = self._forward(m, with_correct=True)
+            if counted:
+                sums += out
+                valid = m["targets"] != IGNORE_INDEX
+                counts += torch.bincount(m["segments"][valid], minlength=nb).double()
+        counts = self._to_device(counts.float())
+        for t in (sums, counts):
+            dist.all_reduce(t)
+        return lm_metrics(sums, counts, edges)
+
+    def _eval_passkey(self) -> Dict[str, Any]:
+        from msa_train.evaluation import passkey_metrics
+
+        probes = self.passkey_probes
+        per_probe = torch.zeros(len(probes), 2, device=self.device)  # answer loss, argmax-correct answer tokens
+        for index, counted in self._eval_shard(len(probes)):
+            item = probes[index]
+            out = self._forward(self._make_batch(item, torch.zeros(item["input_ids"].shape[0], dtype=torch.int64), 1),
+                                with_correct=True)
+            if counted:  # with sequence parallelism each rank adds its shard's part: summed below
+                per_probe[index] += out[:, 0]
+        dist.all_reduce(per_probe)
+        return passkey_metrics(per_probe, [p["answer_tokens"] for p in probes])
+
+    def _eval_pairs(self) -> Dict[str, Any]:
+        """DPO on held-out pairs against the reference log-probabilities taken at the run's start."""
+        n = self._eval_count()
+        reference = self._reference.get("eval", {})
+        shard = self._eval_shard(n)
+        missing = torch.tensor(float(sum(counted and index not in reference for index, counted in shard)),
+                               device=self.device)
+        dist.all_reduce(missing)  # every rank raises, or none
+        if missing.item():
+            raise ValueError(f"DPO evaluation: {int(missing.item())} held-out pairs have no reference log-probabilities: "
+                             "the reference is taken when a run starts, for the evaluation data, eval.max_sequences "
+                             "and number of processes it started with")
+        logps = torch.zeros(n, 2, device=self.device)
+        ref = torch.zeros(n, 2)
+        for index, counted in shard:
+            out = -self._forward(self._batch_of(index, self.eval_dataset))[:2]
+            if counted:
+                logps[index] = out
+                ref[index] = torch.tensor(reference[index])
+        ref = self._to_device(ref)
+        for t in (logps, ref):
+            dist.all_reduce(t)
+        margin = self.cfg.train.dpo_beta * ((logps[:, 0] - ref[:, 0]) - (logps[:, 1] - ref[:, 1]))
+        return {"eval_loss": (-torch.nn.functional.logsigmoid(margin)).mean().item(),
+                "eval_reward_accuracy": (margin > 0).float().mean().item(),
+                "eval_reward_margin": margin.mean().item(), "eval_pairs": n}
 
     # ------------------------------------------------------------------ step
     def train_step(self) -> Dict[str, Any]:
@@ -315,9 +451,10 @@ class Trainer:
     # ------------------------------------------------------------------ DPO
     def _build_reference(self) -> None:
         """DPO's reference: the log-probabilities of the starting model, for every pair this rank will
-        train on (the next ``train.steps * grad_accum`` items of its sampler), computed once before the
-        first step and kept in ``<run>/dpo_reference/rank_NNNNN.pt`` for resuming. So no second model
-        is held in memory; the cost is one forward pass per pair."""
+        train on (the next ``train.steps * grad_accum`` items of its sampler) and its share of the
+        held-out pairs (under the key "eval"), computed once before the first step and kept in
+        ``<run>/dpo_reference/rank_NNNNN.pt`` for resuming. So no second model is held in memory; the
+        cost is one forward pass per pair."""
         from flash_msa import trusted_inputs
 
         cfg = self.cfg.train
@@ -328,6 +465,9 @@ class Trainer:
                                  "log-probabilities computed at its start")
             self._reference = torch.load(path)
             return
+        if self.cfg.eval.only:
+            raise ValueError("eval.only=true with DPO evaluates a checkpoint of a DPO run (train.resume=auto or a "
+                             "checkpoint path): its reference log-probabilities are those of the run's start")
         sampler = type(self.sampler)(self.sampler.num_items, seed=self.sampler.seed, rank=self.sampler.rank,
                                      world_size=self.sampler.world_size)
         sampler.load_state_dict(self.sampler.state_dict())
@@ -338,6 +478,12 @@ class Trainer:
         with torch.no_grad(), trusted_inputs():
             for index in order:  # host floats: a sync per pair, setup only
                 reference[index] = (-self._forward(self._batch_of(index))[:2]).tolist()
+            if self.eval_dataset is not None:
+                reference["eval"] = {}
+                for index, counted in self._eval_shard(self._eval_count()):
+                    logps = (-self._forward(self._batch_of(index, self.eval_dataset))[:2]).tolist()
+                    if counted:
+                        reference["eval"][index] = logps
         self.module.train()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -413,6 +559,8 @@ class Trainer:
         (msa_train/preemption.py); the summary then has ``stopped_by_signal``."""
         from msa_train.preemption import StopSignals
 
+        if self.cfg.eval.only:
+            raise ValueError("eval.only=true builds the trainer to evaluate: call evaluate_only() (or run())")
         cfg = self.cfg.train
         self.module.train()
         self._t0 = time.perf_counter()
@@ -421,7 +569,13 @@ class Trainer:
         last = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
         stop = StopSignals(self.dist.rank, self.dist.world_size, self._control)
         stopped_by = None
+        ev = self.cfg.eval
+        has_eval = self.eval_dataset is not None or bool(self.passkey_probes)
+        self.last_eval = None
         try:
+            if has_eval and ev.at_start and self.step == 0:
+                self._log_eval(self.evaluate())
+                t_last = time.perf_counter()
             while self.step < last:
                 out = self.train_step()
                 tokens_since += out["tokens"]
@@ -432,6 +586,9 @@ class Trainer:
                     t_last, tokens_since = now, 0
                 else:
                     self.logger.advance(self.step)
+                if has_eval and ((ev.every and self.step % ev.every == 0) or (ev.at_end and self.step == cfg.steps)):
+                    self._log_eval(self.evaluate())
+                    t_last = time.perf_counter()  # the evaluation's time is not training time
                 saved = False
                 if (cfg.save_every and self.step % cfg.save_every == 0) or \
                         (self.step == last and (cfg.save_final or stop_after is not None)):
@@ -448,11 +605,39 @@ class Trainer:
         finally:
             stop.restore()
         summary = self._summary(records)
+        summary["eval"] = self.last_eval
         summary["stopped_by_signal"] = None if stopped_by is None else str(stopped_by)
         if self.step == cfg.steps and cfg.save_hf:
             self._save_hf()
         self.logger.close(summary if self.step == cfg.steps else None)
         return summary
+
+    def _log_eval(self, record: Dict[str, Any]) -> None:
+        self.last_eval = record
+        self.logger.log_eval(record)
+
+    def evaluate_only(self) -> Dict[str, Any]:
+        """``eval.only=true``: evaluate the model as built (``model.path``, or the checkpoint that
+        ``train.resume`` names) once, and write ``<train.output_dir>/eval.json``; nothing else in the
+        run directory is touched."""
+        from msa_train.metrics import format_eval
+
+        record = self.evaluate()
+        result = {**record, "checkpoint": self.resumed_from, "model_path": self.cfg.model.path,
+                  "attention": self.cfg.attention.name, "seq_len": self.cfg.train.seq_len,
+                  "world_size": self.dist.world_size}
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            path = self.run_dir / "eval.json"
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(result, indent=2))
+            os.replace(tmp, path)
+            log.info("%s; written to %s", format_eval(record), path)
+        return result
+
+    def run(self) -> Dict[str, Any]:
+        """What the CLI runs: training, or with ``eval.only`` one evaluation."""
+        return self.evaluate_only() if self.cfg.eval.only else self.train()
 
     def _save_hf(self) -> None:
         """Write ``<run>/hf`` (config.json with msa_attention + safetensors), reloadable by load_pretrained."""

@@ -4,7 +4,7 @@ See docs/data.md for the formats, the packing and label conventions and the vali
 """
 from .collate import collate_packed
 from .config import DataConfig
-from .dataset import build_packed_dataset
+from .dataset import build_packed_dataset, build_packed_datasets
 from .generated import generate_corpus
 from .packing import PackedDataset, PreferencePairDataset
 from .sampler import ResumableSampler
@@ -14,6 +14,6 @@ from .tokenizer import TINY_VOCAB_SIZE, build_tokenizer, byte_tokenizer
 
 __all__ = [
     "DataConfig", "DataValidationError", "IGNORE_INDEX", "PackedDataset", "PreferencePairDataset",
-    "RecordReport", "ResumableSampler", "TINY_VOCAB_SIZE", "build_packed_dataset", "build_tokenizer",
+    "RecordReport", "ResumableSampler", "TINY_VOCAB_SIZE", "build_packed_dataset", "build_packed_datasets", "build_tokenizer",
     "byte_tokenizer", "collate_packed", "generate_corpus",
 ]

@@ -41,6 +41,11 @@ class DataConfig:
         num_docs / min_doc_tokens / max_doc_tokens: size of the generated corpus
             (lengths are in characters, which are tokens of the byte-level tokenizer).
         seed: seeds the generated corpus and the packing order.
+        eval_path: held-out evaluation files, read like ``path`` (same format, fields
+            and tokenizer). Not with the generated corpus: use ``eval_fraction``.
+        eval_fraction: hold out this fraction of the documents (or pairs) of ``path``,
+            or of the generated corpus, for evaluation; chosen by ``seed``, and never
+            trained on. At most one of ``eval_path`` and ``eval_fraction``.
         num_proc: worker processes for tokenisation.
         cache_dir: where the loaded records and their tokenisation are cached.
             None keeps everything in memory and writes nothing to disk.
@@ -63,6 +68,8 @@ class DataConfig:
     min_doc_tokens: int = 512
     max_doc_tokens: int = 4096
     seed: int = 0
+    eval_path: Optional[Any] = None  # str | List[str], like path
+    eval_fraction: float = 0.0
     num_proc: int = 1
     cache_dir: Optional[str] = None
 
@@ -81,6 +88,16 @@ class DataConfig:
         elif not self.path:
             raise ValueError(f"data.path is required with data.format={self.format!r}: "
                              "a jsonl / json / parquet / txt file or directory, or a list of them")
+        self.eval_path = _normalise_path(self.eval_path, "data.eval_path")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1): the fraction of the "
+                             "documents held out for evaluation")
+        if self.eval_path and self.eval_fraction:
+            raise ValueError("data.eval_path and data.eval_fraction are alternatives: evaluate on your own files, "
+                             "or hold out a fraction of data.path, not both")
+        if self.eval_path and self.format == "generated":
+            raise ValueError("data.eval_path needs a file format (data.format in pretrain, sft, preference); with the "
+                             "generated corpus hold out documents with data.eval_fraction")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ValueError(f"data.max_bad_fraction={self.max_bad_fraction} must be in [0, 1]")
         if self.num_docs < 1:
@@ -100,8 +117,13 @@ class DataConfig:
         """``path`` as a list (empty for the generated corpus)."""
         return list(self.path or [])
 
+    @property
+    def has_eval(self) -> bool:
+        """Whether held-out evaluation data is configured."""
+        return bool(self.eval_path) or self.eval_fraction > 0
 
-def _normalise_path(path: Any) -> List[str]:
+
+def _normalise_path(path: Any, key: str = "data.path") -> List[str]:
     """str | list[str] | None -> list[str]. Hydra hands lists over as ListConfig, hence no isinstance(list)."""
     if path is None or path == "":
         return []
@@ -110,8 +132,8 @@ def _normalise_path(path: Any) -> List[str]:
     try:
         paths = [p for p in path]
     except TypeError:
-        raise ValueError(f"data.path must be a string or a list of strings, got {type(path).__name__}") from None
+        raise ValueError(f"{key} must be a string or a list of strings, got {type(path).__name__}") from None
     for p in paths:
         if not isinstance(p, str) or not p:
-            raise ValueError(f"data.path entries must be non-empty strings, got {p!r}")
+            raise ValueError(f"{key} entries must be non-empty strings, got {p!r}")
     return paths

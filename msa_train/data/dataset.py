@@ -1,10 +1,12 @@
-"""``build_packed_dataset``: config -> records -> tokens -> packed sequences."""
+"""``build_packed_datasets``: config -> records -> tokens -> packed training (and evaluation) sequences."""
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Union
+from typing import Optional, Tuple, Union
 
 import datasets
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from .config import DataConfig
@@ -30,33 +32,73 @@ def build_packed_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
         A map-style dataset whose items hold ``input_ids``, ``labels``, ``position_ids``
         (int64 [T]), ``cu_seqlens`` (int32 [N+1], last == T) and ``max_seqlen`` (int);
         see ``packing.py`` for the convention. For ``format="preference"``, one pair per
-        item (``PreferencePairDataset``). ``.report`` holds the record counts.
+        item (``PreferencePairDataset``). ``.report`` holds the record counts. Documents
+        that ``cfg.eval_fraction`` holds out are not in it.
 
     Raises:
         ValueError: bad paths or seq_len; DataValidationError: too many malformed records.
     """
+    return build_packed_datasets(cfg, tokenizer, seq_len)[0]
+
+
+def build_packed_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int
+                          ) -> Tuple[Union[PackedDataset, PreferencePairDataset],
+                                     Optional[Union[PackedDataset, PreferencePairDataset]]]:
+    """(training data, held-out evaluation data or None), both as ``build_packed_dataset`` describes.
+
+    The evaluation data is ``cfg.eval_path`` read like ``cfg.path``, or the documents that
+    ``cfg.eval_fraction`` holds out of it: a seeded choice of whole documents (or pairs), so no
+    token of an evaluation document is trained on.
+    """
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
+    tokens, report = _tokens(cfg, tokenizer)
+    eval_tokens = None
+    if cfg.eval_fraction > 0:
+        n = len(tokens)
+        n_eval = max(1, round(cfg.eval_fraction * n))
+        if n_eval >= n:
+            raise ValueError(f"data.eval_fraction={cfg.eval_fraction} holds out {n_eval} of the {n} documents: "
+                             "none would be left to train on; lower it or add data")
+        # its own stream of the seed (the packing uses the seed itself)
+        held = np.sort(np.random.default_rng([cfg.seed, 1]).permutation(n)[:n_eval])
+        keep = np.setdiff1d(np.arange(n), held)
+        tokens, eval_tokens = tokens.select(keep), tokens.select(held)
+        logger.info("data: %d of %d documents held out for evaluation (data.eval_fraction=%g)", n_eval, n,
+                    cfg.eval_fraction)
+    elif cfg.eval_path:
+        eval_cfg = dataclasses.replace(cfg, path=cfg.eval_path, eval_path=None)
+        eval_tokens, _ = _tokens(eval_cfg, tokenizer)
+    train = _pack(tokens, cfg, tokenizer, seq_len, "training")
+    train.report = report
+    return train, None if eval_tokens is None else _pack(eval_tokens, cfg, tokenizer, seq_len, "evaluation")
+
+
+def _tokens(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase):
+    """The records of ``cfg.path`` (or the generated corpus), tokenised: (tokens, RecordReport or None)."""
     if cfg.format == "generated":
         records, report = datasets.Dataset.from_dict({"text": generate_corpus(cfg)}), None
     else:
         records, report = load_records(cfg)
-    tokens = tokenize_dataset(records, cfg.format, tokenizer, add_bos=cfg.add_bos, num_proc=cfg.num_proc)
-    pad_id = pad_token_id(tokenizer)
+    return tokenize_dataset(records, cfg.format, tokenizer, add_bos=cfg.add_bos, num_proc=cfg.num_proc), report
 
+
+def _pack(tokens: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int, what: str):
+    pad_id = pad_token_id(tokenizer)
+    if len(tokens) == 0:
+        raise ValueError(f"data: no {what} records (check data.path / data.eval_path)")
     if cfg.format == "preference":
         ds = PreferencePairDataset(tokens, seq_len, pad_id)
         if ds.num_truncated:
-            logger.warning("data: %d of %d preference pairs are longer than seq_len=%d and were cut from the right",
-                           ds.num_truncated, len(ds), seq_len)
-    else:
-        lengths = column(tokens, "length", numpy=True)
-        if cfg.format == "sft" and (lengths > seq_len).any():
-            logger.warning("data: %d of %d SFT records are longer than seq_len=%d and are split into pieces "
-                           "that do not see their prompt; raise seq_len to keep them whole",
-                           int((lengths > seq_len).sum()), len(lengths), seq_len)
-        ds = PackedDataset(tokens, plan_packing(lengths, seq_len, cfg.seed), seq_len, pad_id)
-        logger.info("data: %d documents, %d tokens -> %d sequences of %d tokens (%.1f%% padding)",
-                    len(tokens), ds.num_tokens, len(ds), seq_len, 100 * ds.padding_fraction)
-    ds.report = report
+            logger.warning("data: %d of %d %s preference pairs are longer than seq_len=%d and were cut from the right",
+                           ds.num_truncated, len(ds), what, seq_len)
+        return ds
+    lengths = column(tokens, "length", numpy=True)
+    if cfg.format == "sft" and (lengths > seq_len).any():
+        logger.warning("data: %d of %d %s SFT records are longer than seq_len=%d and are split into pieces "
+                       "that do not see their prompt; raise seq_len to keep them whole",
+                       int((lengths > seq_len).sum()), len(lengths), what, seq_len)
+    ds = PackedDataset(tokens, plan_packing(lengths, seq_len, cfg.seed), seq_len, pad_id)
+    logger.info("data (%s): %d documents, %d tokens -> %d sequences of %d tokens (%.1f%% padding)",
+                what, len(tokens), ds.num_tokens, len(ds), seq_len, 100 * ds.padding_fraction)
     return ds

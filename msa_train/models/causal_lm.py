@@ -23,7 +23,8 @@ class CausalLMWithLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                segments: Optional[torch.Tensor] = None, num_segments: int = 0) -> torch.Tensor:
+                segments: Optional[torch.Tensor] = None, num_segments: int = 0,
+                with_correct: bool = False) -> torch.Tensor:
         """
         Args:
             input_ids, position_ids: int64 [1, T]; positions restart at every document.
@@ -33,9 +34,11 @@ class CausalLMWithLoss(nn.Module):
             max_seqlen: longest document (Python int).
             segments, num_segments: optional int64 [1, T] segment of every token: the losses are
                 then summed per segment (minus a pair's log-probabilities, for DPO).
+            with_correct: with ``segments``, also count each segment's argmax-correct tokens.
 
         Returns:
-            fp32 sum of the token losses: a scalar, or [num_segments] with ``segments``.
+            fp32 sum of the token losses: a scalar, or [num_segments] with ``segments``, or
+            [2, num_segments] (loss sums, correct counts) with ``with_correct``.
         """
         extra = {}
         if cu_seqlens is not None:
@@ -45,4 +48,4 @@ class CausalLMWithLoss(nn.Module):
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                **extra).last_hidden_state  # [1, T, hidden]
         return chunked_linear_cross_entropy_sum(self.lm.lm_head, hidden, targets, self.chunk_tokens, segments,
-                                                num_segments)
+                                                num_segments, with_correct)

@@ -23,13 +23,28 @@ def _args(pairs, out, *more):
 
 
 def test_dpo_starts_at_log2_and_learns_the_preference(pairs, tmp_path):
-    _, records = train(_args(pairs, tmp_path, "train.steps=12"))
+    """... on the training pairs and on held-out ones (evaluated at the start and the end); eval.only
+    on the final checkpoint repeats the last evaluation with the reference stored at the start."""
+    from msa_train.trainer import Trainer
+
+    args = _args(pairs, tmp_path, "train.steps=12", "data.eval_fraction=0.125", "eval.at_start=true")
+    _, records = train(args)
+    steps = [r for r in records if "loss" in r]
     # step 1: the policy is the reference, every margin is exactly 0
-    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert records[0]["reward_accuracy"] == 0.0 and records[0]["reward_margin"] == 0.0
-    assert records[-1]["loss"] < 0.5 * math.log(2) and records[-1]["reward_accuracy"] == 1.0
-    assert records[-1]["reward_margin"] > 0
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert steps[0]["reward_accuracy"] == 0.0 and steps[0]["reward_margin"] == 0.0
+    assert steps[-1]["loss"] < 0.5 * math.log(2) and steps[-1]["reward_accuracy"] == 1.0
+    assert steps[-1]["reward_margin"] > 0
     assert (tmp_path / "dpo_reference" / "rank_00000.pt").is_file()
+    first, last = [r for r in records if "eval_loss" in r]
+    assert first["step"] == 0 and last["step"] == 12 and first["eval_pairs"] == last["eval_pairs"] == 8
+    assert first["eval_loss"] == pytest.approx(math.log(2), abs=1e-6) and first["eval_reward_margin"] == 0.0
+    assert last["eval_loss"] < 0.5 * math.log(2) and last["eval_reward_accuracy"] == 1.0
+    again = Trainer(compose([*args, "eval.only=true", "train.resume=auto"])).run()
+    assert again["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
+    assert again["eval_reward_margin"] == pytest.approx(last["eval_reward_margin"], rel=1e-6)
+    with pytest.raises(ValueError, match="eval.only=true with DPO evaluates a checkpoint of a DPO run"):
+        Trainer(compose([*args, "eval.only=true", f"train.output_dir={tmp_path / 'fresh'}"]))
 
 
 def test_pair_logps_are_the_sequences_own(pairs, tmp_path):

@@ -52,14 +52,18 @@ def _curve(tmp_path, name, procs, overrides):
                          ids=["sp2-zero3-nsa", "dp2xsp2-zero2-full"])
 def test_sequence_parallel_training_matches(tmp_path, procs, stage, attention):
     common = [f"attention={attention}", f"train.steps={STEPS}", "train.seq_len=256", f"parallel.zero_stage={stage}",
-              *FAST]
+              *FAST, "data.eval_fraction=0.125", "eval.max_sequences=6", "eval.passkey=3"]  # at the end, sharded
     ref = _curve(tmp_path, "ref", procs // 2, common)
     sp = _curve(tmp_path, "sp", procs, [*common, "parallel.sp_degree=2"])
-    assert [r["step"] for r in sp] == list(range(1, STEPS + 1))
-    for a, b in zip(ref, sp):
+    assert [r["step"] for r in sp] == [*range(1, STEPS + 1), STEPS]
+    for a, b in zip(ref[:STEPS], sp):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), (a["step"], a["loss"], b["loss"])
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a["step"], a["grad_norm"], b["grad_norm"])
         assert b["tokens_seen"] == a["tokens_seen"]  # an SP group counts its sequence once
+    a, b = ref[-1], sp[-1]
+    assert b["eval_tokens"] == a["eval_tokens"] and b["eval_passkey_accuracy"] == a["eval_passkey_accuracy"]
+    for key in ("eval_loss", "eval_loss_pos_128_256", "eval_passkey_loss", "eval_passkey_token_accuracy"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
 
 
 def test_sequence_parallel_config_errors():

@@ -1,0 +1,115 @@
+"""What held-out evaluation measures (docs/evaluation.md); the trainer runs it (``Trainer.evaluate``).
+
+- **Loss by position.** Long-context training is meant to make tokens far into a document
+  cheaper to predict, which one mean loss hides. Every evaluated token is put in a bucket by its
+  position in its document (``position_ids``: a piece of a document longer than T counts from the
+  piece's start); the buckets double in width up to T: ``[0, T/2^(n-1)), ..., [T/4, T/2), [T/2, T)``.
+- **Pass-key retrieval** (Mohtashami & Jaggi, 2023): a number stated once, at a chosen depth of
+  T tokens of filler, asked for at the end. Scored teacher-forced, from the chunked loss's argmax
+  counts, so it needs no KV cache (NSA decoding has none) and no logits beyond one loss chunk:
+  a probe is retrieved when every token of the number is the model's top prediction.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Dict, List, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from msa_train.loss import IGNORE_INDEX
+
+PASSKEY_DIGITS = 5
+_INTRO = "A pass key is hidden somewhere in the long text below. Find it and keep it in mind.\n"
+_FILLER = "The river runs on to the sea, the hills stand where they stood, and the day goes by.\n"
+_NEEDLE = ("The pass key is", ". Keep it in mind: that number is the pass key.\n")
+_QUESTION = "What is the pass key? The pass key is"
+
+
+def position_edges(seq_len: int, buckets: int) -> List[int]:
+    """``[0, T >> (n-1), ..., T >> 1, T]``: bucket b holds positions ``edges[b] <= p < edges[b+1]``."""
+    if not 1 <= buckets or (1 << (buckets - 1)) > seq_len:
+        raise ValueError(f"position buckets: need 1 <= buckets and 2^(buckets-1) <= seq_len, got {buckets}, {seq_len}")
+    return [0] + [seq_len >> (buckets - 1 - i) for i in range(buckets)]
+
+
+def position_buckets(position_ids: torch.Tensor, edges: Sequence[int]) -> torch.Tensor:
+    """The bucket (int64) of every position, for ``edges`` from :func:`position_edges`."""
+    inner = torch.tensor(list(edges[1:-1]), dtype=position_ids.dtype)
+    return torch.bucketize(position_ids, inner, right=True)
+
+
+def bucket_names(edges: Sequence[int]) -> List[str]:
+    return [f"eval_loss_pos_{lo}_{hi}" for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> List[int]:
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def passkey_probes(tokenizer: PreTrainedTokenizerBase, seq_len: int, count: int, seed: int,
+                   add_bos: bool = True) -> List[Dict[str, Any]]:
+    """``count`` pass-key probes of exactly ``seq_len`` tokens, as packed items (one document each).
+
+    Probe i hides a random 5-digit number at depth ``i / (count - 1)`` of the filler (0.5 for a
+    single probe) and ends with the question, then the number. Only the number's tokens carry
+    labels. The number is tokenised once and that same token sequence is used in the statement and
+    the answer, so retrieving it is copying those tokens, whatever the tokenizer.
+
+    Returns:
+        Packed items (``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens``, ``max_seqlen``),
+        each with ``answer_tokens`` (how many labelled tokens) and ``depth``.
+
+    Raises:
+        ValueError: ``seq_len`` too short to hold the fixed text of a probe.
+    """
+    rng = random.Random(f"passkey/{seed}")
+    bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
+    intro, filler, question = _encode(tokenizer, _INTRO), _encode(tokenizer, _FILLER), _encode(tokenizer, _QUESTION)
+    needle_a, needle_b = _encode(tokenizer, _NEEDLE[0]), _encode(tokenizer, _NEEDLE[1])
+    items = []
+    for i in range(count):
+        key = _encode(tokenizer, " " + str(rng.randrange(10 ** (PASSKEY_DIGITS - 1), 10 ** PASSKEY_DIGITS)))
+        needle = needle_a + key + needle_b
+        fixed = len(bos) + len(intro) + len(needle) + len(question) + len(key)
+        free = seq_len - fixed
+        if free < 0:
+            raise ValueError(f"eval.passkey: a probe's fixed text takes {fixed} tokens, more than train.seq_len="
+                             f"{seq_len}; raise train.seq_len or set eval.passkey=0")
+        stream = (filler * (free // max(1, len(filler)) + 1))[:free]
+        depth = 0.5 if count == 1 else i / (count - 1)
+        cut = round(depth * free)
+        ids = bos + intro + stream[:cut] + needle + stream[cut:] + question + key
+        labels = [IGNORE_INDEX] * (seq_len - len(key)) + key
+        items.append({
+            "input_ids": torch.tensor(ids, dtype=torch.int64),
+            "labels": torch.tensor(labels, dtype=torch.int64),
+            "position_ids": torch.arange(seq_len, dtype=torch.int64),
+            "cu_seqlens": torch.tensor([0, seq_len], dtype=torch.int32),
+            "max_seqlen": seq_len,
+            "answer_tokens": len(key),
+            "depth": depth,
+        })
+    return items
+
+
+def lm_metrics(sums: torch.Tensor, counts: torch.Tensor, edges: Sequence[int]) -> Dict[str, Any]:
+    """Host metrics from the all-reduced per-bucket ``sums`` [2, n] (loss, argmax-correct) and token ``counts`` [n]."""
+    sums, counts = sums.double().cpu(), counts.double().cpu()
+    n = counts.sum().item()
+    loss = sums[0].sum().item() / n if n else None
+    out = {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss is not None and loss < 700 else None,
+           "eval_token_accuracy": sums[1].sum().item() / n if n else None, "eval_tokens": int(n)}
+    for name, s, c in zip(bucket_names(edges), sums[0].tolist(), counts.tolist()):
+        out[name] = s / c if c else None
+    return out
+
+
+def passkey_metrics(per_probe: torch.Tensor, answer_tokens: Sequence[int]) -> Dict[str, Any]:
+    """Host metrics from the all-reduced per-probe [P, 2] (answer loss sum, argmax-correct answer tokens)."""
+    per_probe = per_probe.double().cpu()
+    need = torch.tensor(list(answer_tokens), dtype=torch.float64)
+    return {"eval_passkey_accuracy": (per_probe[:, 1] == need).double().mean().item(),
+            "eval_passkey_token_accuracy": (per_probe[:, 1].sum() / need.sum()).item(),
+            "eval_passkey_loss": (per_probe[:, 0].sum() / need.sum()).item()}

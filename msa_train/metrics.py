@@ -126,12 +126,16 @@ class MetricsLogger:
             os.fsync(f.fileno())
         os.replace(tmp, self.metrics_path)
 
-    def log(self, record: Dict[str, Any]) -> None:
-        if not self.enabled:
-            return
+    def _write(self, record: Dict[str, Any]) -> None:
+        """metrics.jsonl and wandb: every figure under the same name in both."""
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+
+    def log(self, record: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._write(record)
         if self._progress is not None:
             mfu = record.get("mfu")
             self._progress.update(self._task, completed=record["step"], loss=f"{record['loss']:.4f}",
@@ -143,9 +147,7 @@ class MetricsLogger:
         """An evaluation record (its keys start with ``eval_``): metrics.jsonl, wandb, and one terminal line."""
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+        self._write(record)
         line = format_eval(record)
         if self._progress is not None:
             self._progress.console.print(line)

@@ -348,7 +348,7 @@ class Trainer:
                 sums += out
                 valid = m["targets"] != IGNORE_INDEX
                 counts += torch.bincount(m["segments"][valid], minlength=nb).double()
-        counts = self._to_device(counts.float())
+        counts = self._to_device(counts)  # float64: exact token counts past 2^24
         for t in (sums, counts):
             dist.all_reduce(t)
         return lm_metrics(sums, counts, edges)

@@ -88,10 +88,13 @@ def _pack(tokens: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTokeni
     if len(tokens) == 0:
         raise ValueError(f"data: no {what} records (check data.path / data.eval_path)")
     if cfg.format == "preference":
-        ds = PreferencePairDataset(tokens, seq_len, pad_id)
+        bos_id = tokenizer.bos_token_id if cfg.add_bos else None
+        ds = PreferencePairDataset(tokens, seq_len, pad_id, bos_id)
         if ds.num_truncated:
-            logger.warning("data: %d of %d %s preference pairs are longer than seq_len=%d and were cut from the right",
-                           ds.num_truncated, len(ds), what, seq_len)
+            logger.warning("data: %d of %d %s preference pairs are longer than seq_len=%d: %d keep their whole "
+                           "responses and the end of their prompt, %d have responses that alone do not fit and are "
+                           "cut from the right too; raise seq_len to keep them whole", ds.num_truncated, len(ds), what,
+                           seq_len, ds.num_truncated - ds.num_response_cut, ds.num_response_cut)
         return ds
     lengths = column(tokens, "length", numpy=True)
     if cfg.format == "sft" and (lengths > seq_len).any():

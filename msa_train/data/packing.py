@@ -159,26 +159,72 @@ class PackedDataset(torch.utils.data.Dataset):
 class PreferencePairDataset(torch.utils.data.Dataset):
     """One preference pair per item: segment 0 is prompt + chosen, segment 1 prompt + rejected.
 
-    Deliberately simple packing: pairs are not packed together. A pair longer than T is
-    cut from the right, each side keeping at least T // 2 tokens when it has them; the
-    number of cut pairs is in ``num_truncated``. Items have the packed-item keys above.
+    Deliberately simple packing: pairs are not packed together. A pair longer than T keeps its
+    responses and the end of its prompt (``fit_pair``): DPO learns from the response tokens, and a
+    pair cut from the right could keep none of them. ``num_truncated`` counts the pairs longer than
+    T, ``num_prompt_cut`` those whose prompt lost its beginning, ``num_response_cut`` those whose
+    responses alone did not fit and were cut from the right too. Items have the packed-item keys above.
+
+    Args:
+        bos_id: the BOS token that tokenisation put first (None without one): it stays first.
     """
 
-    def __init__(self, tokens: datasets.Dataset, seq_len: int, pad_id: int):
+    def __init__(self, tokens: datasets.Dataset, seq_len: int, pad_id: int, bos_id=None):
         self.tokens = tokens.with_format("numpy", columns=[c for c in tokens.column_names if c != "length"])
-        self.seq_len, self.pad_id = seq_len, pad_id
+        self.seq_len, self.pad_id, self.bos_id = seq_len, pad_id, bos_id
         lengths = column(tokens, "length", numpy=True)
-        self.num_truncated = int((lengths > seq_len).sum())
+        long = np.flatnonzero(lengths > seq_len)
+        self.num_truncated = len(long)
+        self.num_prompt_cut = self.num_response_cut = 0
+        for i in long.tolist():
+            _, prompt_cut, response_cut = self._fit(i)
+            self.num_prompt_cut += prompt_cut
+            self.num_response_cut += response_cut
         self.report = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def __getitem__(self, i: int) -> dict:
+    def _fit(self, i: int):
         row = self.tokens[i]
-        nc, nr = len(row["chosen_input_ids"]), len(row["rejected_input_ids"])
-        keep_c = min(nc, max(self.seq_len - nr, self.seq_len // 2))
-        keep_r = min(nr, self.seq_len - keep_c)
-        return _item([(row["chosen_input_ids"][:keep_c], row["chosen_labels"][:keep_c]),
-                      (row["rejected_input_ids"][:keep_r], row["rejected_labels"][:keep_r])],
-                     self.seq_len, self.pad_id)
+        return fit_pair(row["chosen_input_ids"], row["chosen_labels"], row["rejected_input_ids"],
+                        row["rejected_labels"], self.seq_len, self.bos_id)
+
+    def __getitem__(self, i: int) -> dict:
+        sides, _, _ = self._fit(i)
+        return _item(sides, self.seq_len, self.pad_id)
+
+
+def fit_pair(c_ids: np.ndarray, c_lab: np.ndarray, r_ids: np.ndarray, r_lab: np.ndarray, seq_len: int,
+             bos_id=None) -> tuple:
+    """The two sides of a pair, cut to fit ``seq_len`` tokens together.
+
+    A pair that fits is unchanged. Otherwise the prompt (the tokens before the first label, which
+    both sides share) loses tokens from its beginning, after a leading BOS, until both sides fit
+    with whole responses. Responses that do not fit even with no prompt are cut from the right,
+    each side keeping at least half of the room.
+
+    Returns:
+        ([(chosen ids, labels), (rejected ids, labels)], prompt was cut, responses were cut).
+    """
+    if len(c_ids) + len(r_ids) <= seq_len:
+        return [(c_ids, c_lab), (r_ids, r_lab)], False, False
+
+    def prompt_len(lab):
+        trained = np.flatnonzero(lab != IGNORE_INDEX)
+        return int(trained[0]) if len(trained) else len(lab)
+
+    lp = min(prompt_len(c_lab), prompt_len(r_lab))
+    head = 1 if bos_id is not None and lp and c_ids[0] == bos_id else 0
+    rc, rr = len(c_ids) - lp, len(r_ids) - lp
+    keep_p = min(lp - head, max(0, (seq_len - rc - rr) // 2 - head))
+    room = seq_len - 2 * (head + keep_p)
+    keep_c = min(rc, max(room - rr, room // 2))
+    keep_r = min(rr, room - keep_c)
+
+    def side(ids, lab, keep):
+        parts = (slice(0, head), slice(lp - keep_p, lp), slice(lp, lp + keep))
+        return np.concatenate([ids[p] for p in parts]), np.concatenate([lab[p] for p in parts])
+
+    return ([side(c_ids, c_lab, keep_c), side(r_ids, r_lab, keep_r)], keep_p < lp - head,
+            keep_c < rc or keep_r < rr)

@@ -169,3 +169,37 @@ def test_preference_pairs(tok, write_jsonl):
     long = ds[1]
     assert long["cu_seqlens"].tolist() == [0, 32, 64]  # cut to T // 2 per side
     assert (long["position_ids"][32:] == torch.arange(32)).all()
+
+
+def test_preference_pair_with_a_long_prompt_keeps_its_responses(tok, write_jsonl):
+    """A pair over T keeps both whole responses and its prompt's end (after BOS): cut from the right,
+    a prompt of half the sequence would leave a side with no response token to learn from."""
+    prompt = "".join(chr(ord("a") + i % 26) for i in range(100))
+    rows = [{"prompt": prompt, "chosen": "good", "rejected": "bad"}]
+    ds = build_packed_dataset(DataConfig(format="preference", path=write_jsonl("p.jsonl", rows)), tok, 64)
+    assert (ds.num_truncated, ds.num_prompt_cut, ds.num_response_cut) == (1, 1, 0)
+    (c_ids, c_lab), (r_ids, r_lab), *pad = _segments(ds[0])
+    keep = (64 - 5 - 4) // 2 - 1  # both responses + EOS whole, the rest shared by the prompt halves
+    assert tok.decode(c_ids) == tok.bos_token + prompt[-keep:] + "good" + tok.eos_token
+    assert tok.decode(r_ids) == tok.bos_token + prompt[-keep:] + "bad" + tok.eos_token
+    assert _trained_text(tok, c_lab) == "good" + tok.eos_token and _trained_text(tok, r_lab) == "bad" + tok.eos_token
+    assert ds[0]["cu_seqlens"].tolist() == [0, 1 + keep + 5, 2 + 2 * keep + 9, 64]
+
+
+def test_fit_pair_cuts_responses_only_when_they_alone_do_not_fit():
+    import numpy as np
+
+    from msa_train.data.packing import fit_pair
+
+    def side(n_prompt, n_resp):
+        ids = np.arange(1, 1 + n_prompt + n_resp)
+        return ids, np.concatenate([np.full(n_prompt, -100), ids[n_prompt:]])
+
+    fits = fit_pair(*side(3, 10), *side(3, 10), 26)
+    assert fits[1:] == (False, False) and len(fits[0][0][0]) == 13
+    (c, _), (r, _) = fit_pair(*side(3, 30), *side(3, 10), 32, bos_id=None)[0]
+    assert len(c) == 22 and len(r) == 10 and c[0] == 4 and r[0] == 4  # no prompt left, chosen cut to the room left
+    sides, prompt_cut, response_cut = fit_pair(*side(20, 6), *side(20, 4), 30, bos_id=1)
+    (c, cl), (r, rl) = sides
+    assert prompt_cut and not response_cut and c[0] == r[0] == 1  # BOS kept first
+    assert (cl != -100).sum() == 6 and (rl != -100).sum() == 4 and len(c) + len(r) <= 30

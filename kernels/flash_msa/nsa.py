@@ -235,13 +235,7 @@ class NativeSparseAttention(nn.Module):
         over the whole sequence with its ``HQ/size`` query and ``HK/size`` KV heads (the
         compression parameters of those KV heads), and the output comes back to its tokens.
         """
-        check_tensor("hidden_states", hidden_states, ndim=3, layout="[B, T, hidden]")
-        if tuple(hidden_states.shape[:2]) != tuple(q.shape[:2]):
-            raise ValueError(f"hidden_states must have shape [B, T, hidden] with B, T of q {tuple(q.shape[:2])}, "
-                             f"got {tuple(hidden_states.shape)}")
-        B, T = q.shape[:2]
-        logits = F.linear(hidden_states, self.gate.weight, self.gate.bias)  # [B, T, 3*HQ]
-        gates = torch.sigmoid(logits.float()).view(B, T, 3, self.num_heads).transpose(-1, -2)  # [B, T, HQ, 3]
+        gates = self._gates(hidden_states, q)
         params = [self.compress_k.weight, self.compress_k.pos, self.compress_v.weight, self.compress_v.pos,
                   self.compress_k.proj, self.compress_v.proj]
         sp = sequence_parallel
@@ -258,6 +252,27 @@ class NativeSparseAttention(nn.Module):
         if sp is not None and sp.size > 1:
             o = sp.to_sequence(o, seq_dim=1, head_dim=2)
         return o
+
+    def _gates(self, hidden_states: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Per-head branch gates [B, T, HQ, 3] (fp32, sigmoid applied) from hidden_states [B, T, hidden]."""
+        check_tensor("hidden_states", hidden_states, ndim=3, layout="[B, T, hidden]")
+        if tuple(hidden_states.shape[:2]) != tuple(q.shape[:2]):
+            raise ValueError(f"hidden_states must have shape [B, T, hidden] with B, T of q {tuple(q.shape[:2])}, "
+                             f"got {tuple(hidden_states.shape)}")
+        B, T = q.shape[:2]
+        logits = F.linear(hidden_states, self.gate.weight, self.gate.bias)  # [B, T, 3*HQ]
+        return torch.sigmoid(logits.float()).view(B, T, 3, self.num_heads).transpose(-1, -2)  # [B, T, HQ, 3]
+
+    def decode(self, hidden_states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: Optional[float] = None) -> torch.Tensor:
+        """Decoding with a KV cache: hidden_states [B, Tq, hidden] and q [B, Tq, HQ, D] of the last Tq
+        positions, k/v [B, Tk, HK, D] of all Tk positions -> [B, Tq, HQ, D], the rows that
+        :meth:`forward` on the whole sequences gives those positions (flash_msa/decode.py)."""
+        from flash_msa.decode import nsa_decode
+
+        k_cmp = (self.compress_k.weight, self.compress_k.pos, self.compress_k.proj)
+        v_cmp = (self.compress_v.weight, self.compress_v.pos, self.compress_v.proj)
+        return nsa_decode(q, k, v, self._gates(hidden_states, q), k_cmp, v_cmp, scale=scale, **self.sizes)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.sizes.items()) + f", impl={self.impl}"

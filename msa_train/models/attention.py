@@ -9,7 +9,8 @@ We register two names:
   for packed bf16/fp16 batches; SDPA ``is_causal`` (cuDNN/flash) when a row holds one document.
   CPU (and the rare CUDA fp32 case): SDPA ``is_causal`` per document, a loop over documents that
   is only the fallback path.
-* ``msa_nsa``: ``flash_msa.NativeSparseAttention`` stored on the attention module as ``.nsa``.
+* ``msa_nsa``: ``flash_msa.NativeSparseAttention`` stored on the attention module as ``.nsa``;
+  with a KV cache (``generate()``), the new queries against the cached keys through its ``decode``.
 
 Gates need the layer's hidden states, which the interface call does not receive. A forward
 pre-hook on each attention module (:func:`stash_hidden_states`) stores them on the module for
@@ -141,10 +142,16 @@ def nsa_attention_forward(module, query, key, value, attention_mask=None, scalin
     if hidden is None:
         raise RuntimeError("msa_nsa attention called without hidden states: was the module patched by patch_model?")
     setattr(module, _HIDDEN, None)  # drop the reference: the autograd graph keeps what it needs
-    if query.shape[2] != key.shape[2]:
-        raise NotImplementedError("msa_nsa attention has no KV-cache decoding: NSA here trains on whole sequences "
-                                  "(for generation, recompute without cache: use_cache=False)")
     nsa = module.nsa
+    if query.shape[2] != key.shape[2]:
+        # decoding with a KV cache: the queries are the last positions of the cached keys
+        # (flash_msa/decode.py, PyTorch); the prefill before it ran the whole op above
+        if cu_seq_lens_q is not None and cu_seq_lens_q.numel() > 2:
+            raise NotImplementedError("msa_nsa: a KV cache with packed documents (cu_seqlens) is not supported")
+        if getattr(module, SP_ATTR, None) is not None:
+            raise NotImplementedError("msa_nsa: KV-cache decoding with sequence parallelism is not supported")
+        o = nsa.decode(hidden, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scaling)
+        return o, None
     # The Triton kernels need CUDA; anywhere else the PyTorch reference computes the same function.
     nsa.impl = nsa.requested_impl if query.is_cuda else "reference"
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H, D]

@@ -116,6 +116,24 @@ def block_overlap(n_cmp: int, n_blocks: int, block: int, stride: int, slc_block:
     return inter.to(dtype) / block
 
 
+def top_blocks(score: torch.Tensor, own: torch.Tensor, topk: int) -> torch.Tensor:
+    """The selection rule on block scores [C, HK, n_blocks] of queries whose own block is ``own`` [C]:
+    block 0 and the local blocks forced, no block after the own one, the top ``topk`` with ties to
+    the lower block. int64 [C, HK, min(topk, n_blocks)], ascending, -1 padded."""
+    n_blocks = score.shape[-1]
+    own = own[:, None, None]
+    j = torch.arange(n_blocks, device=score.device)
+    forced = (j == 0) | (j == own) | (j == own - 1)
+    score = torch.where(forced, torch.full_like(score, float("inf")), score)
+    score = torch.where(j <= own, score, torch.full_like(score, float("-inf")))
+    # stable descending sort: equal scores keep ascending block order, so ties go to the lower block
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :topk]
+    chosen = torch.gather(score, -1, order) > float("-inf")
+    idx = torch.where(chosen, order, torch.full_like(order, n_blocks))
+    idx = idx.sort(-1).values
+    return torch.where(idx < n_blocks, idx, torch.full_like(idx, -1))
+
+
 def select_blocks_chunked(
     q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, cu_cmp: torch.Tensor,
     block: int, stride: int, slc_block: int, topk: int, scale: float, chunk: Optional[int] = None,
@@ -145,17 +163,7 @@ def select_blocks_chunked(
             # exp(s + inf) * 0 would be NaN (cmp_block > slc_block leaves own blocks without one)
             p = torch.where(mask, torch.exp(s - lse[c0:c1].to(acc).view(c1 - c0, HK, HQ // HK, 1)), 0.)  # [C, HK, G, Tc]
             score = p.sum(2) @ w_rows  # [C, HK, n_blocks], summed over the group in fp32
-            own = ((torch.arange(c0, c1, device=q.device) - start[c0:c1]) // slc_block)[:, None, None]
-            j = torch.arange(n_blocks, device=q.device)
-            forced = (j == 0) | (j == own) | (j == own - 1)
-            score = torch.where(forced, torch.full_like(score, float("inf")), score)
-            score = torch.where(j <= own, score, torch.full_like(score, float("-inf")))
-            # stable descending sort: equal scores keep ascending block order, so ties go to the lower block
-            order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :topk]
-            chosen = torch.gather(score, -1, order) > float("-inf")
-            idx = torch.where(chosen, order, torch.full_like(order, n_blocks))
-            idx = idx.sort(-1).values
-            out.append(torch.where(idx < n_blocks, idx, torch.full_like(idx, -1)))
+            out.append(top_blocks(score, (torch.arange(c0, c1, device=q.device) - start[c0:c1]) // slc_block, topk))
         idx = torch.cat(out).to(torch.int32)
         if idx.shape[-1] < topk:  # fewer blocks than topk in the whole stream
             pad = idx.new_full((T, HK, topk - idx.shape[-1]), -1)

@@ -95,8 +95,6 @@ def selected_attention_chunked(
     """
     T, HQ, D = q.shape
     HK, S = k.shape[1], block_indices.shape[-1]
-    G = HQ // HK
-    acc = _acc_dtype(q)
     if chunk is None:  # about 16M gathered elements per chunk
         chunk = max(1, min(T, (1 << 24) // max(1, HK * S * block_size * D)))
     start_all, _ = token_seq_bounds(cu_seqlens, T)
@@ -105,24 +103,36 @@ def selected_attention_chunked(
         # reusing its index buffer in place before backward still gets the forward's gradients
         # (the Triton paths save the tensor instead, and autograd refuses the modified one)
         block_indices = block_indices.clone()
-    offs = torch.arange(block_size, device=q.device)
-    heads = torch.arange(HK, device=q.device)[None, :, None]
 
     def one_chunk(c0: int, c1: int, q, k, v):
-        t = torch.arange(c0, c1, device=q.device)
-        start = start_all[c0:c1]
-        idx = block_indices[c0:c1].to(torch.int64)  # [C, HK, S]
-        valid = _valid_entries(block_indices[c0:c1], t - start, block_size)
-        # absolute key positions of every selected block: [C, HK, S, bs]
-        kpos = start[:, None, None, None] + idx[..., None] * block_size + offs
-        mask = valid[..., None] & (kpos <= t[:, None, None, None])
-        kpos = torch.where(mask, kpos, torch.zeros_like(kpos)).flatten(2)  # [C, HK, S*bs]
-        kg = k[kpos, heads].to(acc)  # [C, HK, S*bs, D]
-        vg = v[kpos, heads].to(acc)
-        qc = q[c0:c1].to(acc).view(c1 - c0, HK, G, D)
-        s = scale * qc @ kg.transpose(-1, -2)  # [C, HK, G, S*bs]
-        o = masked_softmax_av(s, mask.flatten(2)[:, :, None, :], vg)  # [C, HK, G, D]
-        return o.reshape(c1 - c0, HQ, D)
+        return selected_rows(q[c0:c1], torch.arange(c0, c1, device=q.device), start_all[c0:c1],
+                             block_indices[c0:c1], k, v, block_size, scale)
 
     outs = [run_chunk(one_chunk, c0, min(T, c0 + chunk), q, k, v) for c0 in range(0, T, chunk)]
     return torch.cat(outs).to(q.dtype)
+
+
+def selected_rows(q: torch.Tensor, t: torch.Tensor, start: torch.Tensor, block_indices: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """Selected attention of C query rows against a packed key stream (the gather form's core).
+
+    q [C, HQ, D] at stream positions ``t`` [C] of sequences starting at ``start`` [C], block_indices
+    [C, HK, S]; k/v [T, HK, D] -> [C, HQ, D] in the accumulation dtype.
+    """
+    C, HQ, D = q.shape
+    HK = k.shape[1]
+    acc = _acc_dtype(q)
+    offs = torch.arange(block_size, device=q.device)
+    heads = torch.arange(HK, device=q.device)[None, :, None]
+    idx = block_indices.to(torch.int64)  # [C, HK, S]
+    valid = _valid_entries(block_indices, t - start, block_size)
+    # absolute key positions of every selected block: [C, HK, S, bs]
+    kpos = start[:, None, None, None] + idx[..., None] * block_size + offs
+    mask = valid[..., None] & (kpos <= t[:, None, None, None])
+    kpos = torch.where(mask, kpos, torch.zeros_like(kpos)).flatten(2)  # [C, HK, S*bs]
+    kg = k[kpos, heads].to(acc)  # [C, HK, S*bs, D]
+    vg = v[kpos, heads].to(acc)
+    qc = q.to(acc).view(C, HK, HQ // HK, D)
+    s = scale * qc @ kg.transpose(-1, -2)  # [C, HK, G, S*bs]
+    o = masked_softmax_av(s, mask.flatten(2)[:, :, None, :], vg)  # [C, HK, G, D]
+    return o.reshape(C, HQ, D)

@@ -88,6 +88,7 @@ def passkey_probes(tokenizer: PreTrainedTokenizerBase, seq_len: int, count: int,
             "position_ids": torch.arange(seq_len, dtype=torch.int64),
             "cu_seqlens": torch.tensor([0, seq_len], dtype=torch.int32),
             "max_seqlen": seq_len,
+            "num_tokens": seq_len,
             "answer_tokens": len(key),
             "depth": depth,
         })

@@ -294,13 +294,14 @@ class Trainer:
             "max_seqlen": int(item["max_seqlen"]),
             # mean causal context per token, for the MFU's attention FLOPs (host math, no sync)
             "mean_context": float((lengths * (lengths + 1) / 2).sum() / input_ids.shape[0]),
+            "num_tokens": int(item["num_tokens"]),  # document tokens of the whole sequence (padding left out)
         }
 
     def _forward(self, m: Dict[str, Any], **kwargs) -> torch.Tensor:
         """The engine's forward on micro-batch m (its host-only entries left out): the summed token
         loss, or with DPO's segments the loss per segment."""
         return self.engine(**{k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items()
-                              if k not in ("mean_context", "index")}, **kwargs)
+                              if k not in ("mean_context", "num_tokens", "index")}, **kwargs)
 
     # ------------------------------------------------------------------ evaluation
     def _eval_shard(self, n: int) -> List[tuple]:
@@ -446,6 +447,7 @@ class Trainer:
         tokens = len(micro) * self.layout.dp_size * self.cfg.train.seq_len  # the ranks of an SP group share sequences
         self.tokens_seen += tokens
         return {"loss_sum": loss_sum, "n_global": n_global, "tokens": tokens, "lr": lr, "grad_norm": grad_norm,
+                "document_tokens": sum(m["num_tokens"] for m in micro),  # this rank's sequences
                 "mean_context": sum(m["mean_context"] for m in micro) / len(micro), **extra}
 
     # ------------------------------------------------------------------ DPO
@@ -512,9 +514,16 @@ class Trainer:
         return self._step_out(micro, lr, sums[0], n_pairs, grad_norm,
                               pair_sums={"reward_accuracy": sums[1], "reward_margin": sums[2]})
 
-    def _log(self, out: Dict[str, Any], elapsed: float, tokens: int) -> Dict[str, Any]:
+    def _log(self, out: Dict[str, Any], elapsed: float, tokens: int, document_tokens: int) -> Dict[str, Any]:
+        """The record of the steps since the last log: ``tokens`` positions of the whole run (what the
+        hardware computed, padding included, and what MFU counts), ``document_tokens`` of this rank's
+        sequences (summed over the data-parallel ranks here)."""
         loss_sum = out["loss_sum"].clone()
         dist.all_reduce(loss_sum)
+        # the ranks of a sequence-parallel group hold the same sequences: count each once
+        documents = torch.tensor(document_tokens * self.layout.dp_size / self.dist.world_size,
+                                 dtype=torch.float64, device=self.device)
+        dist.all_reduce(documents)
         # host syncs, logging only
         loss = (loss_sum / out["n_global"].clamp_min(1.0)).item()
         extra = {}
@@ -525,13 +534,15 @@ class Trainer:
         grad_norm = out["grad_norm"] if out["grad_norm"] is not None else self.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
         tokens_per_s = tokens / max(elapsed, 1e-9)
+        document_tokens_per_s = documents.item() / max(elapsed, 1e-9)
         mfu = None
         if self.peak_tflops:
             flops = model_flops_per_token(self.n_matmul, self._num_layers, self._attn_dim,
                                           out["mean_context"])
             mfu = flops * tokens_per_s / (self.peak_tflops * 1e12 * self.dist.world_size)
         record = {"step": self.step, "loss": loss, "lr": out["lr"],
-                  "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                  "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                  "document_tokens_per_s": document_tokens_per_s, "mfu": mfu,
                   "peak_memory_gb": peak_memory_gb(self.device), "tokens_seen": self.tokens_seen,
                   "elapsed_s": time.perf_counter() - self._t0, **extra}
         self.logger.log(record)
@@ -565,7 +576,7 @@ class Trainer:
         self.module.train()
         self._t0 = time.perf_counter()
         records: List[Dict[str, Any]] = []
-        t_last, tokens_since = time.perf_counter(), 0
+        t_last, tokens_since, documents_since = time.perf_counter(), 0, 0
         last = cfg.steps if stop_after is None else min(stop_after, cfg.steps)
         stop = StopSignals(self.dist.rank, self.dist.world_size, self._control)
         stopped_by = None
@@ -579,11 +590,12 @@ class Trainer:
             while self.step < last:
                 out = self.train_step()
                 tokens_since += out["tokens"]
+                documents_since += out["document_tokens"]
                 # 5. log: the only host syncs of the loop, every log_every steps.
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     now = time.perf_counter()
-                    records.append(self._log(out, now - t_last, tokens_since))
-                    t_last, tokens_since = now, 0
+                    records.append(self._log(out, now - t_last, tokens_since, documents_since))
+                    t_last, tokens_since, documents_since = now, 0, 0
                 else:
                     self.logger.advance(self.step)
                 if has_eval and ((ev.every and self.step % ev.every == 0) or (ev.at_end and self.step == cfg.steps)):
@@ -662,11 +674,13 @@ class Trainer:
     def _summary(self, records: List[Dict[str, Any]]) -> Dict[str, Any]:
         losses = [r["loss"] for r in records]
         tps = [r["tokens_per_s"] for r in records[1:]] or [r["tokens_per_s"] for r in records]
+        dps = [r["document_tokens_per_s"] for r in records[1:]] or [r["document_tokens_per_s"] for r in records]
         return {
             "recipe": self.cfg.recipe_name, "attention": self.cfg.attention.name, "steps": self.step,
             "world_size": self.dist.world_size, "device": str(self.device), "n_params": self.n_params,
             "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
             "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
+            "mean_document_tokens_per_s": sum(dps) / len(dps) if dps else None,
             "peak_memory_gb": peak_memory_gb(self.device), "wall_time_s": time.perf_counter() - self._t0,
             "tokens_seen": self.tokens_seen, "resumed_from": self.resumed_from,
         }

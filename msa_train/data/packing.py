@@ -106,6 +106,7 @@ def _item(segments: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: i
         position_ids[s:s + n] = np.arange(n)
         cu.append(s + n)
     assert cu[-1] <= seq_len, cu
+    placed = cu[-1]
     if cu[-1] < seq_len:  # the padding tail is a segment of its own
         position_ids[cu[-1]:] = np.arange(seq_len - cu[-1])
         cu.append(seq_len)
@@ -116,6 +117,7 @@ def _item(segments: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: i
         "position_ids": torch.from_numpy(position_ids),
         "cu_seqlens": cu_seqlens,
         "max_seqlen": int(np.diff(cu).max()),
+        "num_tokens": placed,  # the document tokens, without the padding tail
     }
 
 
@@ -123,7 +125,8 @@ class PackedDataset(torch.utils.data.Dataset):
     """Packed sequences of T tokens, built on access from the tokenised documents and a plan.
 
     Items: ``input_ids``, ``labels``, ``position_ids`` int64 [T]; ``cu_seqlens`` int32
-    [N+1] with ``cu_seqlens[-1] == T``; ``max_seqlen`` a Python int.
+    [N+1] with ``cu_seqlens[-1] == T``; ``max_seqlen`` and ``num_tokens`` (document tokens, the
+    padding tail left out) Python ints.
     """
 
     def __init__(self, tokens: datasets.Dataset, plan: PackingPlan, seq_len: int, pad_id: int):

@@ -60,6 +60,8 @@ def test_sequence_parallel_training_matches(tmp_path, procs, stage, attention):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), (a["step"], a["loss"], b["loss"])
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a["step"], a["grad_norm"], b["grad_norm"])
         assert b["tokens_seen"] == a["tokens_seen"]  # an SP group counts its sequence once
+        assert b["document_tokens_per_s"] / b["tokens_per_s"] == \
+            pytest.approx(a["document_tokens_per_s"] / a["tokens_per_s"], rel=1e-9)  # and its documents
     a, b = ref[-1], sp[-1]
     assert b["eval_tokens"] == a["eval_tokens"] and b["eval_passkey_accuracy"] == a["eval_passkey_accuracy"]
     for key in ("eval_loss", "eval_loss_pos_128_256", "eval_passkey_loss", "eval_passkey_token_accuracy"):

@@ -136,3 +136,25 @@ def test_stop_signal_checkpoints_the_current_step_and_resumes(tmp_path, procs):
         assert [r["step"] for r in records] == list(range(1, 7)) and summary["stopped_by_signal"] is None
         runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
         assert len(runs) == 2 and len({r.name.rsplit("-", 1)[-1] for r in runs}) == 1, runs
+
+
+def test_document_tokens_per_s_leaves_the_padding_out(tmp_path):
+    """tokens_per_s counts the positions computed (padding included, as MFU does);
+    document_tokens_per_s the document tokens of the same steps."""
+    from msa_train.trainer import Trainer
+    from tests.msa_train._util import compose, read_metrics
+
+    cfg = compose(["attention=full", "train.steps=4", "train.grad_accum=2", "train.log_every=1",
+                   "train.save_every=0", "train.save_final=false", f"train.output_dir={tmp_path}", *FAST])
+    trainer = Trainer(cfg)
+    assert trainer.dataset.padding_fraction > 0  # else the test could not tell the two apart
+    seen, next_batch = [], trainer._next_batch
+    trainer._next_batch = lambda: seen.append(next_batch()) or seen[-1]
+    summary = trainer.train()
+    records = read_metrics(tmp_path)
+    assert len(records) == 4 and len(seen) == 8
+    for i, r in enumerate(records):
+        documents = sum(m["num_tokens"] for m in seen[2 * i:2 * i + 2])
+        assert r["document_tokens_per_s"] / r["tokens_per_s"] == pytest.approx(documents / (2 * 512), rel=1e-9)
+    assert any(r["document_tokens_per_s"] < r["tokens_per_s"] for r in records)
+    assert summary["mean_document_tokens_per_s"] < summary["mean_tokens_per_s"]

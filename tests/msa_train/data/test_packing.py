@@ -9,7 +9,7 @@ from msa_train.data.packing import plan_packing
 
 def check_item(item, T):
     """The packed-item contract of docs/data.md; returns the segment boundaries."""
-    assert set(item) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen"}
+    assert set(item) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "num_tokens"}
     for k in ("input_ids", "labels", "position_ids"):
         assert item[k].dtype == torch.int64 and item[k].shape == (T,), k
     cu = item["cu_seqlens"]
@@ -17,6 +17,10 @@ def check_item(item, T):
     assert (cu[1:] > cu[:-1]).all(), f"cu_seqlens not increasing: {cu}"
     lens = (cu[1:] - cu[:-1]).tolist()
     assert item["max_seqlen"] == max(lens) and isinstance(item["max_seqlen"], int)
+    # document tokens: everything before the padding tail, itself one segment that nothing trains on
+    n = item["num_tokens"]
+    assert isinstance(n, int) and 0 < n <= T and n in cu.tolist(), (n, cu)
+    assert n == T or (cu[-2] == n and (item["labels"][n:] == IGNORE_INDEX).all())
     pos, lab = item["position_ids"], item["labels"]
     for s, n in zip(cu[:-1].tolist(), lens):
         assert torch.equal(pos[s:s + n], torch.arange(n)), "position_ids must restart at every segment"

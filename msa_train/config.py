@@ -204,9 +204,6 @@ class RootConfig:
             raise ValueError("train.objective=dpo and data.format=preference go together: DPO trains on preference "
                              f"pairs, and pairs train with DPO (got train.objective={self.train.objective!r}, "
                              f"data.format={getattr(self.data, 'format', None)!r})")
-        if dpo and self.parallel.sp_degree != 1:
-            raise ValueError("train.objective=dpo runs with parallel.sp_degree=1 (a pair's log-probabilities are "
-                             "summed over its sequence, which sequence parallelism splits)")
         ev, has_data = self.eval, self.data.has_eval or self.eval.passkey > 0
         if (ev.every or ev.at_start or ev.only) and not has_data:
             what = "eval.only=true" if ev.only else f"eval.every={ev.every}" if ev.every else "eval.at_start=true"

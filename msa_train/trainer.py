@@ -303,6 +303,20 @@ class Trainer:
         return self.engine(**{k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items()
                               if k not in ("mean_context", "num_tokens", "index")}, **kwargs)
 
+    def _pair_logps(self, m: Dict[str, Any]) -> torch.Tensor:
+        """Log-probabilities [2] of a pair's chosen and rejected sequences (segments 0 and 1 of micro-batch
+        m). Under sequence parallelism each rank holds a shard of the pair's tokens, so its per-segment
+        sums are added over the SP group by an all-reduce that autograd differentiates (its backward
+        all-reduces the gradient): every rank of the group computes the same DPO loss, and the gradient
+        of its shard comes out P times that of the loss, which DeepSpeed's average over all W ranks
+        turns into the mean over the W/P data-parallel ranks' pairs."""
+        logps = -self._forward(m)[:2]
+        if self.sp is None:
+            return logps
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(logps, group=self.sp.group)
+
     # ------------------------------------------------------------------ evaluation
     def _eval_shard(self, n: int) -> List[tuple]:
         """This rank's share of n evaluation items, as (item, counts): every data-parallel rank runs
@@ -382,9 +396,10 @@ class Trainer:
                              "and number of processes it started with")
         logps = torch.zeros(n, 2, device=self.device)
         ref = torch.zeros(n, 2)
+        first_of_group = self.sp is None or self.sp.rank == 0  # an SP group's ranks hold the same sums
         for index, counted in shard:
-            out = -self._forward(self._batch_of(index, self.eval_dataset))[:2]
-            if counted:
+            out = self._pair_logps(self._batch_of(index, self.eval_dataset))
+            if counted and first_of_group:
                 logps[index] = out
                 ref[index] = torch.tensor(reference[index])
         ref = self._to_device(ref)
@@ -479,11 +494,11 @@ class Trainer:
         self.module.eval()
         with torch.no_grad(), trusted_inputs():
             for index in order:  # host floats: a sync per pair, setup only
-                reference[index] = (-self._forward(self._batch_of(index))[:2]).tolist()
+                reference[index] = self._pair_logps(self._batch_of(index)).tolist()
             if self.eval_dataset is not None:
                 reference["eval"] = {}
                 for index, counted in self._eval_shard(self._eval_count()):
-                    logps = (-self._forward(self._batch_of(index, self.eval_dataset))[:2]).tolist()
+                    logps = self._pair_logps(self._batch_of(index, self.eval_dataset)).tolist()
                     if counted:
                         reference["eval"][index] = logps
         self.module.train()
@@ -504,7 +519,7 @@ class Trainer:
                                  f"covers the pairs of its first train.steps={self.cfg.train.steps} steps as set "
                                  "when it started; extend a DPO run by starting a new one from its hf/ export")
             ref = self._to_device(torch.tensor(self._reference[m["index"]]))
-            logps = -self._forward(m)[:2]  # chosen, rejected: the engine returns per-segment losses
+            logps = self._pair_logps(m)  # chosen, rejected: the engine returns per-segment losses
             margin = beta * ((logps[0] - ref[0]) - (logps[1] - ref[1]))
             loss = -torch.nn.functional.logsigmoid(margin)
             return loss, torch.stack([loss, (margin > 0).float(), margin]).detach()  # loss, reward accuracy, margin

@@ -92,9 +92,8 @@ def test_dpo_resume_is_exact_and_keeps_its_reference(pairs, tmp_path):
 
 @pytest.mark.parametrize("overrides, match", [
     (["train.objective=lm"], "train.objective=dpo and data.format=preference go together"),
-    (["parallel.sp_degree=2"], "train.objective=dpo runs with parallel.sp_degree=1"),
     (["train.dpo_beta=0"], "train.dpo_beta=0"),
-], ids=["lm-on-pairs", "sequence-parallel", "beta"])
+], ids=["lm-on-pairs", "beta"])
 def test_dpo_config_errors(overrides, match, pairs, tmp_path):
     with pytest.raises(ValueError, match=match):
         compose(_args(pairs, tmp_path, *overrides))

@@ -7,6 +7,8 @@
    (one data-parallel rank either way, so the same sequences), with ZeRO-3 too (parameters
    gathered for the NSA leaf module, then sliced to the rank's KV heads); 4 processes as 2
    data-parallel ranks of 2 follow 2 processes without it.
+3. DPO with parallel.sp_degree=2 follows 1 process: a pair's log-probabilities are added over the
+   ranks that hold its tokens.
 """
 import socket
 import sys
@@ -66,6 +68,37 @@ def test_sequence_parallel_training_matches(tmp_path, procs, stage, attention):
     assert b["eval_tokens"] == a["eval_tokens"] and b["eval_passkey_accuracy"] == a["eval_passkey_accuracy"]
     for key in ("eval_loss", "eval_loss_pos_128_256", "eval_passkey_loss", "eval_passkey_token_accuracy"):
         assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_sequence_parallel_dpo_matches(tmp_path):
+    """Every pair spans both halves of the 128 tokens (the rejected sequence crosses token 64), so each
+    rank holds part of it: loss, reward statistics and gradient norm per step, and the held-out
+    evaluation at the start (the reference: margin 0) and the end, as on 1 process."""
+    import json
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"Question {i}: what colour is the sky? ", "chosen": "It is blue, as every day.",
+             "rejected": "It is green, like grass."} for i in range(40)]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["data=preference", f"data.path={pairs}", "attention=nsa", "train.seq_len=128", "train.lr=1e-3",
+              "train.warmup_steps=1", f"train.steps={STEPS}", "parallel.zero_stage=2", "data.eval_fraction=0.2",
+              "eval.at_start=true", "train.progress=false", "train.save_hf=false"]
+    ref = _curve(tmp_path, "ref", 1, common)
+    sp = _curve(tmp_path, "sp", 2, [*common, "parallel.sp_degree=2"])
+    steps = [[r for r in run if "loss" in r] for run in (ref, sp)]
+    assert [r["step"] for r in steps[1]] == list(range(1, STEPS + 1))
+    for a, b in zip(*steps):
+        for key in ("loss", "reward_margin", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+        assert b["reward_accuracy"] == a["reward_accuracy"]
+    assert steps[0][-1]["reward_margin"] > 0  # it learned: the comparison is not of constants
+    evals = [[r for r in run if "eval_loss" in r] for run in (ref, sp)]
+    assert [r["step"] for r in evals[1]] == [0, STEPS] and evals[1][0]["eval_reward_margin"] == 0.0
+    for a, b in zip(*evals):
+        assert b["eval_pairs"] == a["eval_pairs"] == 8
+        for key in ("eval_loss", "eval_reward_margin"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (key, a[key], b[key])
 
 
 def test_sequence_parallel_config_errors():

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Ulysses sequence parallelism on two H200s (kind nvidia-h200-x2), results under $OUT. Run from the
 # repo root with the wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/sp_gpu.sh [stages...]     stages: check tiny long
+#   bash scripts/sp_gpu.sh [stages...]     stages: check tiny onegpu dpo_onegpu long
 # check: both attention backends on 2 GPUs (NCCL, bf16, the Triton kernels) against the whole
 #        sequence on each GPU (tests/msa_train/sp_worker.py with SP_DEVICE=cuda)
 # tiny:  the tiny recipe with fmsa, 30 steps: 1 GPU, then parallel.sp_degree=2 on 2 GPUs
 # onegpu: the tiny stage on ONE GPU, both ranks on it (gloo; torchrun's LOCAL_RANK overridden to 0),
 #        for when no 2-GPU machine is lent: the trainer's SP path on the CUDA kernels, not its speed
+# dpo_onegpu: DPO (fmsa, bf16) on pairs whose prompt is a long document, 1 process against
+#        sp_degree=2 with both ranks on ONE GPU (gloo, as onegpu): per-step loss, reward margin,
+#        gradient norm and the held-out evaluation
 # long:  Llama-3-8B layer shapes (llama3_8b_64k, 4 layers, fmsa, ZeRO-2, activation checkpointing)
 #        on the generated corpus: SP_LENS on 1 GPU and with sp_degree=2 on 2 GPUs (SP2_ONLY_LENS: 2 GPUs only)
 set -uo pipefail
@@ -75,6 +78,36 @@ for x, y in zip(a, b):
     if x["step"] in (1, 2, 5, 10, 20, 30):
         print(f"step {x['step']}: loss 1 process {x['loss']:.4f}  2 processes sp=2 {y['loss']:.4f}  diff {y['loss'] - x['loss']:+.4f}; "
               f"grad norm {x['grad_norm']:.4f} / {y['grad_norm']:.4f}")
+PY
+      ;;
+    dpo_onegpu)
+      python3 - "$OUT/pairs.jsonl" <<'PY'
+import json, random, sys
+rng = random.Random(0)
+words = "the court held that a party may not rely on a clause it did not disclose before the hearing".split()
+with open(sys.argv[1], "w") as f:
+    for i in range(96):  # prompts of about 1,000-2,000 characters: every pair crosses the ranks' halves
+        doc = " ".join(rng.choice(words) for _ in range(rng.randint(150, 280)))
+        f.write(json.dumps({"prompt": f"Document {i}: {doc}\nQuestion: what did the court hold? ",
+                            "chosen": "That an undisclosed clause cannot be relied on.",
+                            "rejected": "That the hearing was postponed."}) + "\n")
+PY
+      C=(attention=fmsa data=preference data.path="$OUT/pairs.jsonl" train.seq_len=4096 train.steps=12 train.lr=1e-4
+         train.warmup_steps=2 data.eval_fraction=0.125 eval.at_start=true train.save_final=false train.save_hf=false
+         train.progress=false parallel.backend=gloo)
+      timeout 200 python3 -m msa_train.cli "${C[@]}" train.output_dir="$OUT/dpo_1" > "$OUT/dpo_1.log" 2>&1
+      echo "DPO 1 process rc=$?"
+      timeout 240 "${RUN2[@]}" --no-python bash -c 'LOCAL_RANK=0 exec python3 -m msa_train.cli "$@"' _ "${C[@]}" \
+        parallel.sp_degree=2 train.output_dir="$OUT/dpo_sp2" > "$OUT/dpo_sp2.log" 2>&1
+      echo "DPO 2 processes sp=2 rc=$?"
+      python3 - "$OUT" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+a, b = ([json.loads(l) for l in (out / n / "metrics.jsonl").read_text().splitlines() if l.strip()] for n in ("dpo_1", "dpo_sp2"))
+for x, y in zip(a, b):
+    keys = ("loss", "reward_margin", "reward_accuracy", "grad_norm") if "loss" in x else ("eval_loss", "eval_reward_margin", "eval_reward_accuracy")
+    print(f"{'step' if 'loss' in x else 'eval at step'} {x['step']}: " + "; ".join(
+        f"{k} {x[k]:.5f} / {y[k]:.5f}" for k in keys) + "  (1 process / sp=2)")
 PY
       ;;
     long)

@@ -46,9 +46,39 @@ _VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS els
 
 
 def stash_hidden_states(module, args, kwargs):
-    """Forward pre-hook: keep the attention input [B, T, hidden] for the NSA gates."""
+    """Forward pre-hook: keep the attention input [B, T, hidden] for the NSA gates, and check the
+    KV cache the layer is about to extend (:func:`check_kv_cache`)."""
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     setattr(module, _HIDDEN, hidden)
+    check_kv_cache(module, kwargs)
+
+
+def check_kv_cache(module, kwargs) -> None:
+    """Both backends decode against the keys the cache hands them as the whole sequence so far, with
+    no mask (none is registered). That holds for HF's DynamicCache, generate()'s default. A static
+    cache hands over its whole zero-padded buffer and a sliding-window cache only the last keys, so
+    either would give wrong tokens without an error; they are refused. On a model whose config has
+    sliding-window layers, NSA replaced those layers, so before the prefill fills the layer's
+    sliding-window cache it is swapped for a DynamicLayer that keeps every key (transformers >= 5,
+    whose caches are lists of layers)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("past_key_value")))
+    if cache is None:
+        return
+    layers, idx = getattr(cache, "layers", None), getattr(module, "layer_idx", None)
+    if layers is None or idx is None or idx >= len(layers):
+        layer = None  # transformers 4.5x, or a cache that creates its (dynamic) layers on first use
+    else:
+        layer = layers[idx]
+        if (hasattr(module, "nsa") and getattr(layer, "is_sliding", False) and not layer.is_compileable
+                and not getattr(layer, "is_initialized", True)):
+            from transformers.cache_utils import DynamicLayer
+            layer = layers[idx] = DynamicLayer()
+    if getattr(layer if layer is not None else cache, "is_compileable", False) or getattr(layer, "is_sliding", False):
+        raise NotImplementedError(
+            f"msa_train's attention backends decode against every cached key with no mask, so they need a KV cache "
+            f"that keeps all keys, as HF's DynamicCache (generate()'s default) does; got "
+            f"{type(layer if layer is not None else cache).__name__}, which hands over a static buffer or only the "
+            f"last keys: generate without cache_implementation, or pass past_key_values=DynamicCache()")
 
 
 def _repeat_kv(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:

@@ -142,20 +142,49 @@ def test_nsa_generates_with_a_kv_cache_as_without(model_type):
     decoding that recomputes the whole sequence each step, and the same logits, over enough new
     tokens to complete compression and selection blocks and slide the window."""
     model = _model(model_type, "nsa").eval()
+    torch.manual_seed(3)
+    _generate_as_without_cache(model, torch.randint(0, 97, (2, 37)), 40)
+
+
+def _generate_as_without_cache(model, ids, steps, **generate_kwargs):
+    """generate() with its KV cache gives the tokens and logits of greedy decoding that recomputes the
+    whole sequence at every step."""
     with torch.no_grad():
         for p in model.parameters():  # away from the symmetric start, so that NSA's choices matter
             p.add_(0.05 * torch.randn_like(p))
-    torch.manual_seed(3)
-    ids = torch.randint(0, 97, (2, 37))
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             attention_mask=torch.ones_like(ids))
+        out = model.generate(ids, max_new_tokens=steps, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, attention_mask=torch.ones_like(ids), **generate_kwargs)
         seq = ids
-        for step in range(40):
+        for step in range(steps):
             logits = model(input_ids=seq, use_cache=False).logits[:, -1]
             torch.testing.assert_close(out.logits[step], logits, rtol=1e-4, atol=1e-4)
             seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
     assert torch.equal(out.sequences, seq)
+
+
+@pytest.mark.parametrize("attention", ["full", "nsa"])
+def test_a_static_kv_cache_is_refused(attention):
+    """A static cache hands the backends its whole zero-padded buffer and no mask: refused, not wrong tokens."""
+    model = _model("llama", attention).eval()
+    ids = torch.randint(0, 97, (1, 11))
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="keeps all keys.*got StaticLayer"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(ids),
+                       cache_implementation="static")
+
+
+def test_nsa_on_a_sliding_window_config_decodes_with_every_key():
+    """NSA replaces a config's sliding-window layers, so generate()'s cache keeps every key there: the
+    same tokens and logits as recomputing the whole sequence, past the 8-token window."""
+    from transformers import DynamicCache
+
+    cfg = dict(TINY["qwen2"], use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    model = build_model(ModelConfig(model_type="qwen2", hf_config=cfg), AttentionConfig(name="nsa", **SMALL_NSA)).eval()
+    assert set(model.config.layer_types) == {"sliding_attention"}
+    cache = DynamicCache(config=model.config)  # what generate() builds, kept here to look at
+    torch.manual_seed(4)
+    _generate_as_without_cache(model, torch.randint(0, 97, (1, 29)), 20, past_key_values=cache)
+    assert {type(layer).__name__ for layer in cache.layers} == {"DynamicLayer"}
+    assert cache.get_seq_length() == 29 + 19
 
 
 def test_patch_refuses_what_the_backends_would_ignore():

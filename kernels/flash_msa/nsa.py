@@ -264,15 +264,18 @@ class NativeSparseAttention(nn.Module):
         return torch.sigmoid(logits.float()).view(B, T, 3, self.num_heads).transpose(-1, -2)  # [B, T, HQ, 3]
 
     def decode(self, hidden_states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: Optional[float] = None) -> torch.Tensor:
+               scale: Optional[float] = None, cache=None, impl: str = "auto") -> torch.Tensor:
         """Decoding with a KV cache: hidden_states [B, Tq, hidden] and q [B, Tq, HQ, D] of the last Tq
         positions, k/v [B, Tk, HK, D] of all Tk positions -> [B, Tq, HQ, D], the rows that
-        :meth:`forward` on the whole sequences gives those positions (flash_msa/decode.py)."""
+        :meth:`forward` on the whole sequences gives those positions. ``cache`` (a
+        :class:`flash_msa.decode.DecodeCache`) keeps the compressed keys and values between steps;
+        ``impl`` picks the Triton kernel or PyTorch (flash_msa/decode/)."""
         from flash_msa.decode import nsa_decode
 
         k_cmp = (self.compress_k.weight, self.compress_k.pos, self.compress_k.proj)
         v_cmp = (self.compress_v.weight, self.compress_v.pos, self.compress_v.proj)
-        return nsa_decode(q, k, v, self._gates(hidden_states, q), k_cmp, v_cmp, scale=scale, **self.sizes)
+        return nsa_decode(q, k, v, self._gates(hidden_states, q), k_cmp, v_cmp, scale=scale, cache=cache, impl=impl,
+                          **self.sizes)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.sizes.items()) + f", impl={self.impl}"

@@ -24,6 +24,7 @@ Packing metadata travels through the HF ``**kwargs`` that reach the attention ca
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Optional
 
 import torch
@@ -34,6 +35,8 @@ from msa_train.parallel.sequence import SP_ATTR
 FULL = "msa_full"
 NSA = "msa_nsa"
 _HIDDEN = "_msa_hidden_states"
+_CACHE_LAYER = "_msa_cache_layer"  # the HF cache layer a decoding NSA module extends, for its forward only
+_DECODE_STATE = "_msa_decode_state"  # on that cache layer: a _DecodeState
 
 try:  # torch >= 2.10; its keyword arguments changed between releases, so probe them
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -79,6 +82,29 @@ def check_kv_cache(module, kwargs) -> None:
             f"that keeps all keys, as HF's DynamicCache (generate()'s default) does; got "
             f"{type(layer if layer is not None else cache).__name__}, which hands over a static buffer or only the "
             f"last keys: generate without cache_implementation, or pass past_key_values=DynamicCache()")
+    if layer is not None and hasattr(module, "nsa"):
+        state = getattr(layer, _DECODE_STATE, None)
+        if state is not None and state.keys() is not getattr(layer, "keys", None):
+            # the layer's keys were replaced otherwise than by the last decode step's append (beam
+            # search reordered them, assisted decoding cropped them, ...): its compressed rows are stale
+            setattr(layer, _DECODE_STATE, None)
+        setattr(module, _CACHE_LAYER, layer)
+
+
+class _DecodeState:
+    """NSA decoding's compressed keys and values (:class:`flash_msa.decode.DecodeCache`), kept on an HF
+    cache layer with a weak reference to the keys tensor they were last extended for; the layer's
+    appends replace that tensor, and so do its crops and reorders, which :func:`check_kv_cache` tells
+    apart by that tensor still being the layer's keys at the next step."""
+
+    def __init__(self, keys: torch.Tensor, cache):
+        self.keys, self.cache = weakref.ref(keys), cache
+
+    def __deepcopy__(self, memo):  # a copied KV cache (e.g. a reused prompt cache) compresses its keys afresh
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
 
 
 def _repeat_kv(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
@@ -172,15 +198,24 @@ def nsa_attention_forward(module, query, key, value, attention_mask=None, scalin
     if hidden is None:
         raise RuntimeError("msa_nsa attention called without hidden states: was the module patched by patch_model?")
     setattr(module, _HIDDEN, None)  # drop the reference: the autograd graph keeps what it needs
+    layer = getattr(module, _CACHE_LAYER, None)
+    setattr(module, _CACHE_LAYER, None)
     nsa = module.nsa
     if query.shape[2] != key.shape[2]:
         # decoding with a KV cache: the queries are the last positions of the cached keys
-        # (flash_msa/decode.py, PyTorch); the prefill before it ran the whole op above
+        # (flash_msa/decode/: one Triton kernel on CUDA); the prefill before it ran the whole op
         if cu_seq_lens_q is not None and cu_seq_lens_q.numel() > 2:
             raise NotImplementedError("msa_nsa: a KV cache with packed documents (cu_seqlens) is not supported")
         if getattr(module, SP_ATTR, None) is not None:
             raise NotImplementedError("msa_nsa: KV-cache decoding with sequence parallelism is not supported")
-        o = nsa.decode(hidden, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scaling)
+        from flash_msa.decode import DecodeCache
+
+        state = getattr(layer, _DECODE_STATE, None) if layer is not None else None
+        rows = state.cache if state is not None else DecodeCache()
+        o = nsa.decode(hidden, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scaling,
+                       cache=rows)
+        if layer is not None:  # transformers >= 5: keep the compressed rows for the next step
+            setattr(layer, _DECODE_STATE, _DecodeState(key, rows))
         return o, None
     # The Triton kernels need CUDA; anywhere else the PyTorch reference computes the same function.
     nsa.impl = nsa.requested_impl if query.is_cuda else "reference"

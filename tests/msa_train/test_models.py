@@ -141,9 +141,31 @@ def test_nsa_generates_with_a_kv_cache_as_without(model_type):
     """generate() decodes with the KV cache (NativeSparseAttention.decode): the same tokens as greedy
     decoding that recomputes the whole sequence each step, and the same logits, over enough new
     tokens to complete compression and selection blocks and slide the window."""
+    from transformers import DynamicCache
+
+    from msa_train.models.attention import _DECODE_STATE
+
     model = _model(model_type, "nsa").eval()
     torch.manual_seed(3)
-    _generate_as_without_cache(model, torch.randint(0, 97, (2, 37)), 40)
+    cache = DynamicCache()
+    _generate_as_without_cache(model, torch.randint(0, 97, (2, 37)), 40, past_key_values=cache)
+    # each layer kept its compressed keys between steps (flash_msa.decode.DecodeCache), for the 37 + 39 cached tokens
+    rows = (37 + 39 - SMALL_NSA["cmp_block"]) // SMALL_NSA["cmp_stride"] + 1
+    assert [getattr(layer, _DECODE_STATE).cache.rows for layer in cache.layers] == [rows, rows]
+
+
+def test_nsa_beam_search_with_a_kv_cache_as_without():
+    """Beam search reorders the KV cache between steps: the compressed keys kept for decoding must be
+    dropped then, or the beams decode against another beam's compressed keys."""
+    model = _model("llama", "nsa").eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        torch.manual_seed(5)
+        ids = torch.randint(0, 97, (2, 37))
+        kw = dict(max_new_tokens=30, do_sample=False, num_beams=3, attention_mask=torch.ones_like(ids))
+        assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
 def _generate_as_without_cache(model, ids, steps, **generate_kwargs):

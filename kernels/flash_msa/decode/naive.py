@@ -1,31 +1,21 @@
-"""NSA for the last Tq queries of sequences whose keys are all known: decoding with a KV cache.
+"""NSA decoding in PyTorch: the rows of the last Tq queries against a KV cache (the reference of
+decode/kernel.py, and the path on CPUs).
 
-During generation each step brings Tq new tokens (1 when decoding, more for chunked prefill or
-speculative verification) and the cache holds all Tk keys and values. The NSA output of a
-query depends only on its own q and gates and on the keys and values up to it, so the new rows
-are computed on their own. They match the rows of the whole-sequence op (tested against
-:func:`flash_msa.nsa_attention`).
-
-Per step, in PyTorch (no Triton: Tq is small and the work is a few gathers):
-- phi compresses the keys and values again, O(Tk) per layer (its Triton kernel on CUDA). The
-  compressed rows only change when a block completes, so caching them would save this; it is
-  not done.
+The NSA output of a query depends only on its own q and gates and on the keys and values up to it,
+so the new rows are computed on their own; they match the rows of the whole-sequence op (tested
+against :func:`flash_msa.nsa_attention`). Given the compressed rows (decode/__init__.py):
 - compressed attention and the block scores of the Tq queries, O(Tq * Tk / d);
 - top-n blocks by the training rule (:func:`flash_msa.compression.naive.top_blocks`);
 - selected attention over n blocks and the window over w keys: O(Tq * (n * l' + w)).
-The gates come from the new tokens' hidden states, and the branches are combined in fp32 as in
-training.
+The branches are combined in fp32 as in training.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from flash_msa.compression.naive import compress_kv, top_blocks
+from flash_msa.compression.naive import top_blocks
 from flash_msa.selection.naive import _acc_dtype, masked_softmax_av, selected_rows
-from flash_msa.utils.validation import check_qkv, check_scale, check_tensor, trusted_inputs
 
 
 def _block_scores(p: torch.Tensor, n_blocks: int, c: int, r: int) -> torch.Tensor:
@@ -43,10 +33,9 @@ def _block_scores(p: torch.Tensor, n_blocks: int, c: int, r: int) -> torch.Tenso
     return padded.unfold(-1, r + c - 1, r) @ w  # [..., n_blocks]
 
 
-def nsa_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor,
-    k_cmp: tuple, v_cmp: tuple, *, cmp_block: int, cmp_stride: int, slc_block: int, slc_topk: int, window: int,
-    scale: Optional[float] = None,
+def nsa_decode_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+    *, cmp_block: int, cmp_stride: int, slc_block: int, slc_topk: int, window: int, scale: float,
 ) -> torch.Tensor:
     """NSA output of the last Tq positions of B sequences of Tk tokens.
 
@@ -54,47 +43,29 @@ def nsa_decode(
         q: [B, Tq, HQ, D], the queries of positions Tk - Tq .. Tk - 1.
         k, v: [B, Tk, HK, D], every key and value of the sequences (the KV cache), Tk >= Tq.
         gates: [B, Tq, HQ, 3] branch gates of the new tokens (compressed, selected, window).
-        k_cmp, v_cmp: (weight, pos, proj) of phi for keys and values (see nsa_attention).
+        k_cmp, v_cmp: [B, Nc, HK, D], the sequences' compressed keys and values, Nc = the rows
+            visible to the last query.
         cmp_block, cmp_stride, slc_block, slc_topk, window, scale: as in nsa_attention.
 
     Returns:
-        [B, Tq, HQ, D] in the dtype of q.
+        [B, Tq, HQ, D] in the dtype of q. Inputs are checked by the caller (decode/__init__.py).
     """
-    check_tensor("q", q, ndim=4, layout="[B, Tq, HQ, D]")
     B, Tq, HQ, D = q.shape
-    check_qkv(k.new_empty(B, k.shape[1], HQ, D), k, v)  # k, v [B, Tk, HK, D], HQ a multiple of HK
     Tk, HK = k.shape[1], k.shape[2]
-    if Tq > Tk or Tq == 0:
-        raise ValueError(f"q holds the last Tq of the Tk={Tk} positions of k, v: need 1 <= Tq <= Tk, got Tq={Tq}")
-    if tuple(gates.shape) != (B, Tq, HQ, 3):
-        raise ValueError(f"gates must have shape [B={B}, Tq={Tq}, HQ={HQ}, 3], got {tuple(gates.shape)}")
-    scale = check_scale(scale, D)
     acc = _acc_dtype(q)
     G = HQ // HK
     dev = q.device
-
-    # the B sequences as one packed stream, as in training
-    T = B * Tk
+    T = B * Tk  # the B sequences as one packed stream, as in training
     kf, vf = k.reshape(T, HK, D), v.reshape(T, HK, D)
-    cu = torch.arange(0, T + 1, Tk, device=dev, dtype=torch.int32)
-    (kw, kp, kj), (vw, vp, vj) = k_cmp, v_cmp
-    compress = compress_kv
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # phi's Triton kernel, as in training
-        from flash_msa.compression.interface import TRITON_BRANCHES
-        compress = TRITON_BRANCHES.compress
-    with trusted_inputs():  # cu is built here: no value checks (a host sync each)
-        kc, _ = compress(kf, kw, kp, cu, cmp_block, cmp_stride, proj=kj)  # [T // d, HK, D]
-        vc, _ = compress(vf, vw, vp, cu, cmp_block, cmp_stride, proj=vj)
 
     # the new rows: positions in their sequence and in the stream, visible compressed tokens
     t_rel = torch.arange(Tk - Tq, Tk, device=dev)  # [Tq]
     start = (torch.arange(B, device=dev) * Tk).repeat_interleave(Tq)  # [B*Tq]
     t = start + t_rel.repeat(B)
     n_vis = torch.where(t_rel >= cmp_block - 1, (t_rel - cmp_block + 1) // cmp_stride + 1, torch.zeros_like(t_rel))
-    Nc = max(0, (Tk - cmp_block) // cmp_stride + 1)  # every sequence's compressed tokens, rows b*Nc.. of kc
-    kc, vc = (x[:B * Nc].view(B, Nc, HK, D).to(acc) for x in (kc, vc))
+    Nc = k_cmp.shape[1]
+    kc, vc = k_cmp.to(acc), v_cmp.to(acc)
     qf = q.reshape(B * Tq, HQ, D)
-
     # compressed attention and its lse
     s = scale * torch.einsum("bqhgd,bnhd->bqhgn", q.to(acc).view(B, Tq, HK, G, D), kc)  # [B, Tq, HK, G, Nc]
     mask = (torch.arange(Nc, device=dev) < n_vis[:, None])[None, :, None, None, :]

@@ -9,10 +9,10 @@ Layout of ``<output_dir>/checkpoints/``::
       COMPLETE                   written last, before the rename
     .tmp_step_000030/            an interrupted write: ignored, removed by the next save
 
-A save writes everything into ``.tmp_step_N``, fsyncs the files and the directory, then renames
-it to ``step_N`` (rename is atomic on POSIX), so a process killed at any moment leaves either the
-new checkpoint or none, and the previous one untouched. ``resume=auto`` loads the newest
-``step_*`` holding ``COMPLETE``.
+A save writes everything into ``.tmp_step_N``, fsyncs the files (the first rank of every node, then
+rank 0) and the directory, then renames it to ``step_N`` (rename is atomic on POSIX), so a process
+killed at any moment leaves either the new checkpoint or none, and the previous one untouched.
+``resume=auto`` loads the newest ``step_*`` holding ``COMPLETE``.
 
 Nothing complete is deleted in place: a checkpoint that goes (pruned, or replaced by a re-save of
 its step) is first renamed to ``.trash_step_N`` and only then removed, so an interrupted delete
@@ -114,8 +114,9 @@ def swap_in(new: Optional[Path], final: Path) -> None:
 class CheckpointManager:
     """Saves and restores the engine, RNG and data state; keeps the newest ``keep`` checkpoints."""
 
-    def __init__(self, root: Path, rank: int, keep: int = 2):
+    def __init__(self, root: Path, rank: int, keep: int = 2, local_rank: Optional[int] = None):
         self.root, self.rank, self.keep = Path(root), rank, keep
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
 
     def save(self, engine, step: int, trainer_state: Dict[str, Any], rank_state: Dict[str, Any]) -> Path:
         """Collective: every rank calls it. Returns the final checkpoint path."""
@@ -129,6 +130,10 @@ class CheckpointManager:
         _barrier()
         engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
         torch.save({"rng": rng_state(), **rank_state}, tmp / f"rank_{self.rank:05d}.pt")
+        if self.local_rank == 0 and self.rank != 0:
+            # rank 0's fsync below flushes only what its own node wrote; on a filesystem shared by
+            # several nodes each node flushes its ranks' files before rank 0 marks the step complete
+            _fsync_tree(tmp)
         _barrier()
         if self.rank == 0:
             if os.environ.get("MSA_TRAIN_CRASH_IN_SAVE") == str(step):

@@ -202,7 +202,8 @@ class Trainer:
         cfg = self.cfg
         self.step = 0
         self.tokens_seen = 0
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.dist.rank, cfg.train.keep_checkpoints)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.dist.rank, cfg.train.keep_checkpoints,
+                                      local_rank=self.dist.local_rank)
         path = self.ckpt.resolve(cfg.train.resume)
         self.resumed_from = None
         if path is not None:

@@ -29,6 +29,24 @@ def test_pruning_keeps_the_checkpoint_just_written_and_newer_ones(tmp_path):
     assert not list(tmp_path.glob(".trash_*")) and not list(tmp_path.glob(".tmp_*"))
 
 
+@pytest.mark.parametrize("rank, local_rank, flushes", [(0, 0, ["COMPLETE"]), (1, 0, ["rank"]), (1, 1, []),
+                                                       (9, 0, ["rank"])], ids=["rank0", "node-first", "node-other",
+                                                                               "node2-first"])
+def test_every_node_flushes_its_files_before_the_checkpoint_is_marked(tmp_path, monkeypatch, rank, local_rank,
+                                                                        flushes):
+    """The first rank of each node fsyncs the step's files before the barrier after which rank 0
+    writes COMPLETE (rank 0's own fsync covers only what its node wrote on a shared filesystem)."""
+    import msa_train.checkpoint as ckpt
+
+    seen = []
+    monkeypatch.setattr(ckpt, "_fsync_tree", lambda root: seen.append(sorted(p.name for p in root.iterdir())))
+    (tmp_path / ".tmp_step_000007").mkdir()  # rank 0 makes it before the first barrier
+    _save(CheckpointManager(tmp_path, rank=rank, keep=2, local_rank=local_rank), 7)
+    assert len(seen) == len(flushes)
+    if flushes == ["rank"]:  # before the marker: the tree holds this rank's file and no COMPLETE yet
+        assert f"rank_{rank:05d}.pt" in seen[0] and COMPLETE not in seen[0]
+
+
 def test_resave_of_a_step_swaps_and_an_interrupted_swap_is_finished(tmp_path):
     mgr = CheckpointManager(tmp_path, rank=0, keep=2)
     _save(mgr, 3)

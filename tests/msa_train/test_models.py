@@ -209,6 +209,32 @@ def test_nsa_on_a_sliding_window_config_decodes_with_every_key():
     assert cache.get_seq_length() == 29 + 19
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decodes with the Triton kernels on a GPU")
+def test_nsa_generate_on_the_gpu_decodes_with_the_triton_kernels():
+    """On CUDA generate() decodes with flash_msa/decode/kernel.py (bf16): each step's logits are those of
+    the whole sequence run again without a cache on the Triton training kernels, to bf16 rounding."""
+    from transformers import DynamicCache
+
+    from msa_train.models.attention import _DECODE_STATE
+
+    model = _model("llama", "fmsa").to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    torch.manual_seed(6)
+    ids = torch.randint(0, 97, (2, 101), device="cuda")
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             attention_mask=torch.ones_like(ids), past_key_values=cache)
+        for step in range(40):
+            want = model(input_ids=out.sequences[:, :101 + step], use_cache=False).logits[:, -1].float()
+            got = out.logits[step].float()
+            assert ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt() < 2e-2, step
+    rows = (101 + 39 - SMALL_NSA["cmp_block"]) // SMALL_NSA["cmp_stride"] + 1
+    assert [getattr(layer, _DECODE_STATE).cache.rows for layer in cache.layers] == [rows, rows]
+
+
 def test_patch_refuses_what_the_backends_would_ignore():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

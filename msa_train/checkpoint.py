@@ -130,9 +130,11 @@ class CheckpointManager:
         _barrier()
         engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
         torch.save({"rng": rng_state(), **rank_state}, tmp / f"rank_{self.rank:05d}.pt")
+        _barrier()
         if self.local_rank == 0 and self.rank != 0:
             # rank 0's fsync below flushes only what its own node wrote; on a filesystem shared by
-            # several nodes each node flushes its ranks' files before rank 0 marks the step complete
+            # several nodes each node flushes its ranks' files (all written: the barrier above)
+            # before rank 0 marks the step complete
             _fsync_tree(tmp)
         _barrier()
         if self.rank == 0:

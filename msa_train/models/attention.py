@@ -64,6 +64,8 @@ def check_kv_cache(module, kwargs) -> None:
     sliding-window layers, NSA replaced those layers, so before the prefill fills the layer's
     sliding-window cache it is swapped for a DynamicLayer that keeps every key (transformers >= 5,
     whose caches are lists of layers)."""
+    if hasattr(module, "nsa"):
+        setattr(module, _CACHE_LAYER, None)
     cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("past_key_value")))
     if cache is None:
         return

@@ -168,7 +168,7 @@ def test_triton_decode_ties_go_to_the_lower_block(device, monkeypatch):
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_decode_cache_extends_the_compressed_rows(device, impl, monkeypatch):
     """Token by token with a DecodeCache: the rows without one, and the cache holds the rows of every
-    completed compression block; a cache of another batch, or of more tokens, is recomputed."""
+    completed compression block; for fewer tokens it keeps their rows, for another batch it starts anew."""
     nsa, tol = _kernel_module(device, 4, 2, 16, cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=4, window=24)
     q, k, v, gates, (kc, vc) = _decode_inputs(nsa, 2, 72, 9)
     cache = DecodeCache()
@@ -181,8 +181,11 @@ def test_decode_cache_extends_the_compressed_rows(device, impl, monkeypatch):
             assert _rel_rms(got, want) < tol
             assert cache.rows == (Tk - 16) // 8 + 1
         full = cache.k_cmp.clone()
+        nsa_decode(q[:, :1], k[:, :40], v[:, :40], gates[:, :1], kc, vc, cache=cache, impl=impl, **nsa.sizes)
+        assert cache.rows == (40 - 16) // 8 + 1  # a cropped cache: the rows of the keys left
+        assert torch.equal(cache.k_cmp, full[:, :cache.rows])
         nsa_decode(q[:1, :1], k[:1, :40], v[:1, :40], gates[:1, :1], kc, vc, cache=cache, impl=impl, **nsa.sizes)
-        assert cache.rows == (40 - 16) // 8 + 1 and cache.k_cmp.shape[0] == 1  # fewer tokens, one sequence: anew
+        assert cache.rows == (40 - 16) // 8 + 1 and cache.k_cmp.shape[0] == 1  # one sequence: anew
     import flash_msa.decode
 
     monkeypatch.setattr(flash_msa.decode, "FEW_ROWS", 0)  # all at once by the training path's phi
@@ -200,3 +203,25 @@ def test_decode_impl_errors(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="impl='triton' needs CUDA tensors"):
         nsa_decode(q, k, v, gates, kc, vc, impl="triton", **nsa.sizes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="5 GB of keys: on a GPU")
+def test_triton_decode_addresses_past_2_to_the_31():
+    """32 KV heads of 600K keys in HF's layout put the last head's keys past 2^31 elements from the
+    start: its rows must equal those of a call on that head alone (a wrapped int32 offset would fault
+    or read another head)."""
+    from flash_msa.decode.kernel import nsa_decode_triton
+
+    torch.manual_seed(7)
+    B, Tk, HK, D = 1, 600_000, 32, 128
+    q = torch.randn(B, 1, HK, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, HK, Tk, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    kc, vc = (torch.randn(B, (Tk - 32) // 16 + 1, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    gates = torch.rand(B, 1, HK, 3, device="cuda")
+    args = dict(scale=D ** -0.5, **DEFAULTS)
+    with torch.no_grad():
+        # one split each (32 and 1 programs), so the two compute the head's rows in the same order
+        every = nsa_decode_triton(q, k, v, gates, kc, vc, target_programs=HK, **args)
+        last = nsa_decode_triton(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], gates[:, :, -1:], kc[:, :, -1:],
+                                 vc[:, :, -1:], target_programs=1, **args)
+    torch.testing.assert_close(every[:, :, -1:], last, rtol=0, atol=0)

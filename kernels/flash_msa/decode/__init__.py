@@ -31,10 +31,10 @@ class DecodeCache:
     """The compressed keys and values [B, N, HK, D] of the first N compression blocks of the cached
     sequences, extended by :func:`nsa_decode` as blocks complete.
 
-    It holds no keys of its own, so it stays valid only while the KV cache it was built from is
-    extended at the end: after a cache is cropped, reordered (beam search) or refilled, start a new
-    one (msa_train does, msa_train/models/attention.py). Rows it holds for more tokens than the
-    current keys have, or for another batch, head or dtype shape, are dropped and recomputed.
+    It holds no keys of its own, so it stays valid only while the KV cache it was built from keeps
+    its first tokens: extended at the end, or cropped (then only the rows of the remaining keys are
+    used). After a cache is reordered (beam search) or refilled, start a new one (msa_train does,
+    msa_train/models/attention.py). Rows of another batch, head or dtype shape are recomputed.
     """
     k_cmp: Optional[torch.Tensor] = None
     v_cmp: Optional[torch.Tensor] = None
@@ -90,16 +90,17 @@ def compressed_kv(k, v, k_cmp: tuple, v_cmp: tuple, cmp_block: int, cmp_stride: 
         old = cache.k_cmp
         same = (old.shape[0] == B and tuple(old.shape[2:]) == (HK, D) and old.dtype == k.dtype
                 and old.device == k.device)
-        have = cache.rows if same and cache.rows <= Nc else 0
+        have = min(cache.rows, Nc) if same else 0  # fewer keys than before (a crop): the first Nc rows stay
     if have == Nc:
-        kc, vc = (cache.k_cmp, cache.v_cmp) if have else (k.new_zeros(B, 0, HK, D), v.new_zeros(B, 0, HK, D))
+        kc, vc = (cache.k_cmp[:, :Nc], cache.v_cmp[:, :Nc]) if have else (k.new_zeros(B, 0, HK, D),
+                                                                           v.new_zeros(B, 0, HK, D))
     else:
         lo, hi = have * cmp_stride, (Nc - 1) * cmp_stride + cmp_block  # the keys of rows have .. Nc - 1
         (kw, kp, kj), (vw, vp, vj) = k_cmp, v_cmp
         new_k = _compress(k[:, lo:hi], kw, kp, kj, cmp_block, cmp_stride)
         new_v = _compress(v[:, lo:hi], vw, vp, vj, cmp_block, cmp_stride)
-        kc = torch.cat([cache.k_cmp, new_k], 1) if have else new_k
-        vc = torch.cat([cache.v_cmp, new_v], 1) if have else new_v
+        kc = torch.cat([cache.k_cmp[:, :have], new_k], 1) if have else new_k
+        vc = torch.cat([cache.v_cmp[:, :have], new_v], 1) if have else new_v
     if cache is not None:
         cache.k_cmp, cache.v_cmp = kc, vc
     return kc, vc
@@ -137,6 +138,9 @@ def nsa_decode(
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     scale = check_scale(scale, D)
+    from flash_msa.nsa import check_nsa_sizes  # (nsa.py imports this package)
+
+    check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window)
     if impl == "auto":
         impl = "triton" if q.is_cuda and q.dtype != torch.float64 else "torch"
     if impl == "triton" and q.dtype == torch.float64:

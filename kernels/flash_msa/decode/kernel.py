@@ -53,7 +53,7 @@ def _online_step(b_q, b_k, b_v, m_k, m_i, l_i, acc, sm_scale):
 @triton.jit
 def _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
     """The program's query: (batch, row in the batch, position t, group heads, [BG, BD] q tile)."""
-    i_r, i_h = tl.program_id(0), tl.program_id(1)
+    i_r, i_h = tl.program_id(0), tl.program_id(1)  # i_h stays int32 here: heads index q's heads only
     i_b = (i_r // Tq).to(tl.int64)
     i_t = (i_r % Tq).to(tl.int64)
     t = Tk - Tq + i_r % Tq
@@ -75,12 +75,12 @@ def _n_visible(t, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
 def decode_cmp_kernel(
     q_ptr, kc_ptr, vc_ptr, m_ptr, l_ptr, acc_ptr,
     sq_b, sq_t, sq_h, skc_b, skc_t, skc_h, svc_b, svc_t, svc_h,
-    Tq, Tk, sm_scale, ROWS,  # ROWS: compressed rows per split, a multiple of BC
-    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BG: tl.constexpr,
+    Tq, Tk, sm_scale, ROWS, S,  # ROWS: compressed rows per split, a multiple of BC; S: splits
+    G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BG: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, BC: tl.constexpr,
 ):
     i_b, i_t, t, heads, b_q = _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G, BG, BD, D)
-    i_h, i_s = tl.program_id(1), tl.program_id(2)
+    i_h, i_s = tl.program_id(1).to(tl.int64), tl.program_id(2)  # int64: i_h * stride passes 2^31 at long Tk
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     kc_base = kc_ptr + i_b * skc_b + i_h * skc_h
@@ -98,21 +98,23 @@ def decode_cmp_kernel(
         b_v = tl.load(vc_base + p_rows * svc_t + o_d[None, :], mask=m_c[:, None] & m_d[None, :], other=0.)
         m_i, l_i, acc = _online_step(b_q, b_k, b_v, m_c, m_i, l_i, acc, sm_scale)
     o_g = tl.arange(0, BG)
+    m_g = o_g < G  # the scratch holds the G real heads, not the padding
     slot = (tl.program_id(0) * tl.num_programs(1) + i_h).to(tl.int64) * S + i_s
-    tl.store(m_ptr + slot * BG + o_g, m_i)
-    tl.store(l_ptr + slot * BG + o_g, l_i)
-    tl.store(acc_ptr + (slot * BG + o_g[:, None]) * BD + o_d[None, :], acc)
+    tl.store(m_ptr + slot * G + o_g, m_i, mask=m_g)
+    tl.store(l_ptr + slot * G + o_g, l_i, mask=m_g)
+    tl.store(acc_ptr + (slot * G + o_g[:, None]) * D + o_d[None, :], acc, mask=m_g[:, None] & m_d[None, :])
 
 
 @triton.jit
-def _merged_lse(m_ptr, l_ptr, pair, S: tl.constexpr, SP: tl.constexpr, BG: tl.constexpr):
+def _merged_lse(m_ptr, l_ptr, pair, S, SP: tl.constexpr, G: tl.constexpr, BG: tl.constexpr):
     """The compressed-attention lse [BG] (log2) of one (query, KV head) from its S split partials,
     with the max M and the sum L (L = 0: no visible row)."""
     o_s = tl.arange(0, SP)
     o_g = tl.arange(0, BG)
-    p = (pair * S + o_s)[:, None] * BG + o_g[None, :]
-    m_s = tl.load(m_ptr + p, mask=(o_s < S)[:, None], other=-1e30)  # [SP, BG]
-    l_s = tl.load(l_ptr + p, mask=(o_s < S)[:, None], other=0.)
+    p = (pair * S + o_s)[:, None] * G + o_g[None, :]
+    m = (o_s < S)[:, None] & (o_g < G)[None, :]
+    m_s = tl.load(m_ptr + p, mask=m, other=-1e30)  # [SP, BG]
+    l_s = tl.load(l_ptr + p, mask=m, other=0.)
     M = tl.max(m_s, 0)
     L = tl.sum(l_s * tl.exp2(m_s - M[None, :]), 0)
     lse = tl.where(L > 0, M + tl.log2(tl.where(L > 0, L, 1.)), float("-inf"))
@@ -123,15 +125,15 @@ def _merged_lse(m_ptr, l_ptr, pair, S: tl.constexpr, SP: tl.constexpr, BG: tl.co
 def decode_topk_kernel(
     q_ptr, kc_ptr, m_ptr, l_ptr, key_ptr,
     sq_b, sq_t, sq_h, skc_b, skc_t, skc_h,
-    Tq, Tk, sm_scale, WINDOWS,  # WINDOWS: score windows (of NBC blocks) per split
-    S: tl.constexpr, SP: tl.constexpr, S2: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    Tq, Tk, sm_scale, WINDOWS, S, S2,  # WINDOWS: score windows (of NBC blocks) per split; S, S2: splits
+    SP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BG: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, BR: tl.constexpr, NBC: tl.constexpr,
     SLC_BLOCK: tl.constexpr, NL: tl.constexpr,
 ):
     i_b, i_t, t, heads, b_q = _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G, BG, BD, D)
-    i_h, i_s = tl.program_id(1), tl.program_id(2)
+    i_h, i_s = tl.program_id(1).to(tl.int64), tl.program_id(2)
     pair = (tl.program_id(0) * tl.num_programs(1) + i_h).to(tl.int64)
-    lse, M, L = _merged_lse(m_ptr, l_ptr, pair, S, SP, BG)
+    lse, M, L = _merged_lse(m_ptr, l_ptr, pair, S, SP, G, BG)
     o_g = tl.arange(0, BG)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -168,13 +170,13 @@ def decode_topk_kernel(
 def decode_out_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, key_ptr,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, so_h,
-    Tq, Tk, sm_scale,
-    S: tl.constexpr, SP: tl.constexpr, S2: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    Tq, Tk, sm_scale, S, S2,
+    SP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BG: tl.constexpr, SLC_BLOCK: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, NL: tl.constexpr,
     WINDOW: tl.constexpr, BW: tl.constexpr,
 ):
     i_b, i_t, t, heads, b_q = _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G, BG, BD, D)
-    i_h = tl.program_id(1)
+    i_h = tl.program_id(1).to(tl.int64)
     pair = (tl.program_id(0) * tl.num_programs(1) + i_h).to(tl.int64)
     o_g = tl.arange(0, BG)
     m_g = o_g < G
@@ -184,12 +186,13 @@ def decode_out_kernel(
     v_base = v_ptr + i_b * sv_b + i_h * sv_h
 
     # compressed attention: the splits' outputs, rescaled to the common max (0 without a visible row)
-    lse, M, L = _merged_lse(m_ptr, l_ptr, pair, S, SP, BG)
+    lse, M, L = _merged_lse(m_ptr, l_ptr, pair, S, SP, G, BG)
     o_cmp = tl.zeros([BG, BD], tl.float32)
     for s in range(S):
         slot = pair * S + s
-        w = tl.exp2(tl.load(m_ptr + slot * BG + o_g) - M)
-        o_cmp += w[:, None] * tl.load(acc_ptr + (slot * BG + o_g[:, None]) * BD + o_d[None, :])
+        w = tl.exp2(tl.load(m_ptr + slot * G + o_g, mask=m_g, other=-1e30) - M)
+        o_cmp += w[:, None] * tl.load(acc_ptr + (slot * G + o_g[:, None]) * D + o_d[None, :],
+                                      mask=m_g[:, None] & m_d[None, :], other=0.)
     o_cmp = o_cmp / tl.where(L > 0, L, 1.)[:, None]
 
     # the top n of the splits' lists, then selected attention over those blocks
@@ -282,26 +285,28 @@ def nsa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: 
     chunks_per_split, S = _splits(pairs, triton.cdiv(Nc, BC), target)
     windows_per_split, S2 = _splits(pairs, triton.cdiv(triton.cdiv(Tk, slc_block), NBC), target)
     dev = q.device
-    m_part = torch.empty(pairs * S * BG, device=dev, dtype=torch.float32)
+    m_part = torch.empty(pairs * S * G, device=dev, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(pairs * S * BG * BD, device=dev, dtype=torch.float32)
+    acc_part = torch.empty(pairs * S * G * D, device=dev, dtype=torch.float32)
     key_part = torch.empty(pairs * S2 * NL, device=dev, dtype=torch.int64)
     o = torch.empty(B, Tq, HQ, D, dtype=q.dtype, device=dev)
     sm_scale = scale * LOG2E
     shape = dict(G=G, D=D, BD=BD, BG=BG)
     sq, skc, svc = q.stride()[:3], k_cmp.stride()[:3], v_cmp.stride()[:3]
     decode_cmp_kernel[(B * Tq, HK, S)](
-        q, k_cmp, v_cmp, m_part, l_part, acc_part, *sq, *skc, *svc, Tq, Tk, sm_scale, chunks_per_split * BC,
-        S=S, CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, BC=BC, num_warps=4, **shape)
-    SP = triton.next_power_of_2(S)
+        q, k_cmp, v_cmp, m_part, l_part, acc_part, *sq, *skc, *svc, Tq, Tk, sm_scale, chunks_per_split * BC, S,
+        CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, BC=BC, num_warps=4, **shape)
+    # the splits are run-time arguments, so a growing cache compiles nothing new; SP bounds S for
+    # every length at this number of (query, KV head) pairs
+    SP = triton.next_power_of_2(-(-target // pairs))
     decode_topk_kernel[(B * Tq, HK, S2)](
-        q, k_cmp, m_part, l_part, key_part, *sq, *skc, Tq, Tk, sm_scale, windows_per_split,
-        S=S, SP=SP, S2=S2, CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, BR=BR, NBC=NBC, SLC_BLOCK=slc_block,
+        q, k_cmp, m_part, l_part, key_part, *sq, *skc, Tq, Tk, sm_scale, windows_per_split, S, S2,
+        SP=SP, CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, BR=BR, NBC=NBC, SLC_BLOCK=slc_block,
         NL=NL, num_warps=4, **shape)
     decode_out_kernel[(B * Tq, HK)](
         q, k, v, gates, o, m_part, l_part, acc_part, key_part,
-        *sq, *k.stride()[:3], *v.stride()[:3], *gates.stride()[:3], *o.stride()[:3], Tq, Tk, sm_scale,
-        S=S, SP=SP, S2=S2, SLC_BLOCK=slc_block, BS=max(16, triton.next_power_of_2(slc_block)), TOPK=slc_topk,
+        *sq, *k.stride()[:3], *v.stride()[:3], *gates.stride()[:3], *o.stride()[:3], Tq, Tk, sm_scale, S, S2,
+        SP=SP, SLC_BLOCK=slc_block, BS=max(16, triton.next_power_of_2(slc_block)), TOPK=slc_topk,
         NL=NL, WINDOW=window, BW=64, num_warps=4, **shape)
     return o
 

@@ -205,7 +205,7 @@ def nsa_attention_forward(module, query, key, value, attention_mask=None, scalin
     nsa = module.nsa
     if query.shape[2] != key.shape[2]:
         # decoding with a KV cache: the queries are the last positions of the cached keys
-        # (flash_msa/decode/: one Triton kernel on CUDA); the prefill before it ran the whole op
+        # (flash_msa/decode/: three Triton launches on CUDA); the prefill before it ran the whole op
         if cu_seq_lens_q is not None and cu_seq_lens_q.numel() > 2:
             raise NotImplementedError("msa_nsa: a KV cache with packed documents (cu_seqlens) is not supported")
         if getattr(module, SP_ATTR, None) is not None:

@@ -7,12 +7,11 @@ the new rows, the rows the whole-sequence op gives those positions:
 - the compressed keys and values (phi over blocks of l keys, stride d) of the cached tokens. A
   :class:`DecodeCache` keeps them between steps, so a step compresses only the blocks completed
   since the last one (one every d tokens) instead of all Tk keys again;
-- then every branch and the gated sum, by one Triton kernel (decode/kernel.py: one launch per step
-  and layer) or in PyTorch (decode/naive.py, the kernel's reference and the CPU path).
+- then every branch and the gated sum, by Triton kernels (decode/kernel.py: three launches per step
+  and layer) or in PyTorch (decode/naive.py, the kernels' reference and the CPU path).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 from flash_msa.compression.naive import compress_kv
 from flash_msa.decode.naive import nsa_decode_torch
-from flash_msa.utils.validation import check_qkv, check_scale, check_tensor, trusted_inputs
+from flash_msa.utils.validation import check_qkv, check_scale, check_tensor, check_triton_device, trusted_inputs
 
 IMPLS = ("auto", "triton", "torch")
 
@@ -145,9 +144,8 @@ def nsa_decode(
         impl = "triton" if q.is_cuda and q.dtype != torch.float64 else "torch"
     if impl == "triton" and q.dtype == torch.float64:
         raise TypeError("impl='triton' takes float16, bfloat16 or float32 inputs, got float64")
-    if impl == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(f"impl='triton' needs CUDA tensors, q is on {q.device}: use impl='torch' (or 'auto', "
-                         "which picks it there), or TRITON_INTERPRET=1 to run the kernel in Triton's interpreter")
+    if impl == "triton":
+        check_triton_device(q, "impl='triton' needs", "torch")
     kc, vc = compressed_kv(k, v, k_cmp, v_cmp, cmp_block, cmp_stride, cache)
     sizes = dict(cmp_block=cmp_block, cmp_stride=cmp_stride, slc_block=slc_block, slc_topk=slc_topk, window=window)
     if impl == "triton":

@@ -26,6 +26,7 @@ strides (HF's cache layout). Scratch: O(Tq * HQ * S * D), nothing that grows wit
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -52,8 +53,11 @@ def _online_step(b_q, b_k, b_v, m_k, m_i, l_i, acc, sm_scale):
 
 @triton.jit
 def _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, D: tl.constexpr):
-    """The program's query: (batch, row in the batch, position t, group heads, [BG, BD] q tile)."""
-    i_r, i_h = tl.program_id(0), tl.program_id(1)  # i_h stays int32 here: heads index q's heads only
+    """The program's query: (batch, row in the batch, position t, KV head, its (query, KV head) pair
+    index, group heads, [BG, BD] q tile). The KV head is int64: times K/V's head stride it passes 2^31
+    at long Tk in HF's cache layout."""
+    i_r, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    pair = i_r * tl.num_programs(1) + i_h
     i_b = (i_r // Tq).to(tl.int64)
     i_t = (i_r % Tq).to(tl.int64)
     t = Tk - Tq + i_r % Tq
@@ -62,7 +66,7 @@ def _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G: tl.constexpr, BG: tl.constexpr, B
     heads = i_h * G + o_g
     b_q = tl.load(q_ptr + i_b * sq_b + i_t * sq_t + heads[:, None] * sq_h + o_d[None, :],
                   mask=(o_g < G)[:, None] & (o_d < D)[None, :], other=0.)
-    return i_b, i_t, t, heads, b_q
+    return i_b, i_t, t, i_h, pair, heads, b_q
 
 
 @triton.jit
@@ -79,8 +83,8 @@ def decode_cmp_kernel(
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BG: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, BC: tl.constexpr,
 ):
-    i_b, i_t, t, heads, b_q = _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G, BG, BD, D)
-    i_h, i_s = tl.program_id(1).to(tl.int64), tl.program_id(2)  # int64: i_h * stride passes 2^31 at long Tk
+    i_b, i_t, t, i_h, pair, heads, b_q = _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G, BG, BD, D)
+    i_s = tl.program_id(2)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     kc_base = kc_ptr + i_b * skc_b + i_h * skc_h
@@ -99,7 +103,7 @@ def decode_cmp_kernel(
         m_i, l_i, acc = _online_step(b_q, b_k, b_v, m_c, m_i, l_i, acc, sm_scale)
     o_g = tl.arange(0, BG)
     m_g = o_g < G  # the scratch holds the G real heads, not the padding
-    slot = (tl.program_id(0) * tl.num_programs(1) + i_h).to(tl.int64) * S + i_s
+    slot = pair * S + i_s
     tl.store(m_ptr + slot * G + o_g, m_i, mask=m_g)
     tl.store(l_ptr + slot * G + o_g, l_i, mask=m_g)
     tl.store(acc_ptr + (slot * G + o_g[:, None]) * D + o_d[None, :], acc, mask=m_g[:, None] & m_d[None, :])
@@ -130,9 +134,8 @@ def decode_topk_kernel(
     BG: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, BR: tl.constexpr, NBC: tl.constexpr,
     SLC_BLOCK: tl.constexpr, NL: tl.constexpr,
 ):
-    i_b, i_t, t, heads, b_q = _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G, BG, BD, D)
-    i_h, i_s = tl.program_id(1).to(tl.int64), tl.program_id(2)
-    pair = (tl.program_id(0) * tl.num_programs(1) + i_h).to(tl.int64)
+    i_b, i_t, t, i_h, pair, heads, b_q = _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G, BG, BD, D)
+    i_s = tl.program_id(2)
     lse, M, L = _merged_lse(m_ptr, l_ptr, pair, S, SP, G, BG)
     o_g = tl.arange(0, BG)
     o_d = tl.arange(0, BD)
@@ -169,15 +172,13 @@ def decode_topk_kernel(
 @triton.jit
 def decode_out_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, key_ptr,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, so_h,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sg_c, so_b, so_t, so_h,
     Tq, Tk, sm_scale, S, S2,
     SP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BG: tl.constexpr, SLC_BLOCK: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, NL: tl.constexpr,
     WINDOW: tl.constexpr, BW: tl.constexpr,
 ):
-    i_b, i_t, t, heads, b_q = _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G, BG, BD, D)
-    i_h = tl.program_id(1).to(tl.int64)
-    pair = (tl.program_id(0) * tl.num_programs(1) + i_h).to(tl.int64)
+    i_b, i_t, t, i_h, pair, heads, b_q = _query(q_ptr, sq_b, sq_t, sq_h, Tq, Tk, G, BG, BD, D)
     o_g = tl.arange(0, BG)
     m_g = o_g < G
     o_d = tl.arange(0, BD)
@@ -233,15 +234,16 @@ def decode_out_kernel(
     # the gated sum in fp32, each branch rounded to the input dtype first (as the whole op does)
     dt = o_ptr.dtype.element_ty
     p_g = g_ptr + i_b * sg_b + i_t * sg_t + heads * sg_h
-    g_cmp = tl.load(p_g, mask=m_g, other=0.)
-    g_slc = tl.load(p_g + 1, mask=m_g, other=0.)
-    g_swa = tl.load(p_g + 2, mask=m_g, other=0.)
+    g_cmp = tl.load(p_g, mask=m_g, other=0.).to(tl.float32)
+    g_slc = tl.load(p_g + sg_c, mask=m_g, other=0.).to(tl.float32)
+    g_swa = tl.load(p_g + 2 * sg_c, mask=m_g, other=0.).to(tl.float32)
     o = (g_cmp[:, None] * o_cmp.to(dt).to(tl.float32) + g_slc[:, None] * o_slc.to(dt).to(tl.float32)
          + g_swa[:, None] * o_swa.to(dt).to(tl.float32))
     tl.store(o_ptr + i_b * so_b + i_t * so_t + heads[:, None] * so_h + o_d[None, :], o.to(dt),
              mask=m_g[:, None] & m_d[None, :])
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of the sizes, asked on every decoding step
 def _score_window(cmp_block: int, cmp_stride: int, slc_block: int, lanes: int) -> tuple[int, int]:
     """(BR, NBC): a window of BR compressed rows holds every row that overlaps NBC consecutive
     selection blocks (NBC <= lanes). The rows of blocks [j0, j0 + n) run from
@@ -265,7 +267,7 @@ def _splits(pairs: int, units: int, target: int) -> tuple[int, int]:
 def nsa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor,
                       v_cmp: torch.Tensor, *, cmp_block: int, cmp_stride: int, slc_block: int, slc_topk: int,
                       window: int, scale: float, target_programs: Optional[int] = None) -> torch.Tensor:
-    """Launcher. q [B, Tq, HQ, D]; k, v [B, Tk, HK, D] (any strides but the last); gates [B, Tq, HQ, 3];
+    """Launcher. q [B, Tq, HQ, D]; k, v [B, Tk, HK, D] (any strides but the last); gates [B, Tq, HQ, 3] (any strides);
     k_cmp, v_cmp [B, Nc, HK, D], the compressed rows of the sequences (Nc = rows visible to the last
     query). ``target_programs`` sets how finely steps 1 and 2 split (default TARGET_PROGRAMS).
     Returns [B, Tq, HQ, D] in q's dtype. Inputs are checked by the caller (decode/__init__.py)."""
@@ -273,7 +275,6 @@ def nsa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: 
     Tk, HK = k.shape[1], k.shape[2]
     G, Nc = HQ // HK, k_cmp.shape[1]
     q, k, v, k_cmp, v_cmp = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, k_cmp, v_cmp))
-    gates = gates.float().contiguous()
     if Nc == 0:  # no compressed row yet: the kernels read none, but want a real pointer
         k_cmp = v_cmp = k.new_zeros(B, 1, HK, D)
     BG, BD = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
@@ -305,7 +306,7 @@ def nsa_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: 
         NL=NL, num_warps=4, **shape)
     decode_out_kernel[(B * Tq, HK)](
         q, k, v, gates, o, m_part, l_part, acc_part, key_part,
-        *sq, *k.stride()[:3], *v.stride()[:3], *gates.stride()[:3], *o.stride()[:3], Tq, Tk, sm_scale, S, S2,
+        *sq, *k.stride()[:3], *v.stride()[:3], *gates.stride(), *o.stride()[:3], Tq, Tk, sm_scale, S, S2,
         SP=SP, SLC_BLOCK=slc_block, BS=max(16, triton.next_power_of_2(slc_block)), TOPK=slc_topk,
         NL=NL, WINDOW=window, BW=64, num_warps=4, **shape)
     return o

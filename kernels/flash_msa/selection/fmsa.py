@@ -31,7 +31,6 @@ Scores are kept in log2 units (``scale * log2(e)`` folded into the scale).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -40,6 +39,7 @@ import triton.language as tl
 
 from flash_msa.utils.csr import (
     SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule)
+from flash_msa.utils.validation import check_triton_device
 from flash_msa.utils.varlen import flatten_batch
 
 LOG2E = 1.4426950408889634
@@ -650,11 +650,7 @@ def check_kernel_limits(q: torch.Tensor, block_indices: torch.Tensor) -> None:
     err = kernel_limits_error(q, block_indices.shape[-1])
     if err is not None:
         raise err
-    # (meta tensors pass: they only reach the checks that need no data, as in the tests)
-    if q.device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(f"the Triton selected-attention kernels need CUDA tensors, q is on {q.device}: use "
-                         "impl='reference' (or 'auto', which picks it there), or TRITON_INTERPRET=1 to run the "
-                         "kernels in Triton's CPU interpreter")
+    check_triton_device(q, "the Triton selected-attention kernels need", "reference")
 
 
 def fmsa_selected_attention(

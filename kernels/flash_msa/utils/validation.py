@@ -107,6 +107,16 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device:
         raise ValueError(f"cu_seqlens must end at the number of tokens T={T}, got {values[-1]}")
 
 
+def check_triton_device(q: torch.Tensor, subject: str, fallback: str) -> None:
+    """Triton kernels run on CUDA tensors, or on any tensor under the CPU interpreter
+    (``TRITON_INTERPRET=1``); elsewhere they would fail deep inside Triton. ``subject`` names the
+    kernels with their verb ("the ... kernels need"), ``fallback`` the impl that runs there.
+    Meta tensors pass: they only reach the checks that need no data, as in the tests."""
+    if q.device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"{subject} CUDA tensors, q is on {q.device}: use impl={fallback!r} (or 'auto', which "
+                         "picks it there), or TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")
+
+
 def check_block_size(name: str, value, supported: Sequence[int]) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value not in supported:
         raise ValueError(f"{name} must be one of {tuple(supported)}, got {value!r}")

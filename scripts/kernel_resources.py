@@ -144,7 +144,7 @@ def cases():
                     f"{'' if pr == pair else ' pair' if pr else ' no-pair'}")
             out.append((f"{name} G={G}", topk.select_blocks_kernel,
                         sig, dict(HQ=HQ, HK=8, G=G, D=128, BD=128, BLOCK=32, STRIDE=16, SLC=64, TOPK=16, NB=16,
-                                  LOG_NB=4, BT=cfg["BT"], BC=64, GP=triton.next_power_of_2(G), STACK=cfg["stack"],
+                                  LOG_NB=4, BT=cfg["BT"], BC=64,
                                   TL_SORT=tl_sort, INTERIOR=cfg.get("interior", True), KEY32=k32,
                                   PERM=perm, KV=kv, LOG_BT=cfg["BT"].bit_length() - 1, HYBRID=hyb, FOLD4=fold4,
                                   PAIR=topk.pair_flag(dict(cfg, pair=pr))),

@@ -9,7 +9,7 @@ Times, side by side in one run, candidate tiles of
   * compression phi (kernels/flash_msa/compression/compress.py): rows per program of its
     forward, dx and dW kernels, forward + backward with the MLP;
   * the fused top-n selection (kernels/flash_msa/compression/topk.py): tokens per program,
-    heads looped or stacked into one matmul, sort network (ours or tl.sort), warps and stages.
+    sort network (ours or tl.sort), warps and stages, and the kernel's variant flags.
 Every candidate is checked against the shipped settings first (outputs within 2e-2 relative
 RMS in bf16, top-n rows identical but for near-ties); the shipped settings are the first row
 of each group. Timing: triton.testing.do_bench, median.
@@ -53,8 +53,8 @@ RANGE_CANDIDATES = {
 }
 
 
-def topk_cfg(bt, warps, stages, maxnreg, stack=False, **keys):
-    return dict(BT=bt, stack=stack, tl_sort=True, **keys,
+def topk_cfg(bt, warps, stages, maxnreg, **keys):
+    return dict(BT=bt, tl_sort=True, **keys,
                 opts=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
 
 
@@ -139,7 +139,7 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
     ref = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
     for cand in TOPK_CANDIDATES:
         topk.LAUNCH_OVERRIDE = dict(cand or {})
-        name = "shipped" if cand is None else (f"BT={cand['BT']} stack={int(cand['stack'])} "
+        name = "shipped" if cand is None else (f"BT={cand['BT']} "
                                                f"warps={cand['opts']['num_warps']} stages={cand['opts']['num_stages']}"
                                                + (" tl_sort" if cand.get("tl_sort") else " own-sort")
                                                + (f" maxnreg={cand['opts']['maxnreg']}" if "maxnreg" in cand["opts"] else "")

@@ -409,10 +409,10 @@ def _chunk_merge(b_top, b_blk, b_key, j0, o_nb, BT: tl.constexpr, NB: tl.constex
 
 @triton.jit
 def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb,
-                  w_in, w_out, o_prev, b_qs, b_lses, n_vis_r, scale2,
+                  w_in, w_out, o_prev, scale2,
                   HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                   STRIDE: tl.constexpr, SLC: tl.constexpr, NB: tl.constexpr, LOG_NB: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr, GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr,
+                  BT: tl.constexpr, BC: tl.constexpr, TL_SORT: tl.constexpr,
                   MASK: tl.constexpr, KEY32: tl.constexpr, PERM: tl.constexpr, KV: tl.constexpr,
                   LOG_BT: tl.constexpr, HYBRID: tl.constexpr, BLOCK: tl.constexpr, FOLD4: tl.constexpr):
     # blocks [j0, j0 + NB) into the running top list; MASK false: an interior chunk (see the caller)
@@ -421,21 +421,14 @@ def _select_chunk(b_top, b_blk, b_carry, j0, q, k, lse, o_t, m_t, n_vis, own, n_
         b_k = _chunk_k(k, row0, o_c, i_h, o_d, (o_c < n_vis_max)[:, None] & m_d[None, :], HK, D)  # [BC, BD]
     else:
         b_k = _chunk_k(k, row0, o_c, i_h, o_d, m_d[None, :], HK, D)
-    if STACK:
-        b_s = tl.dot(b_qs, tl.trans(b_k)) * scale2  # [BT*GP, BC]
-        b_ps = tl.exp2(b_s - b_lses[:, None])
+    b_p = tl.zeros([BT, BC], dtype=tl.float32)
+    for i_g in range(G):
+        b_q, b_lse = _head_rows(q, lse, o_t, m_t, o_d, m_d, i_h * G + i_g, HQ, D)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
         if MASK:
-            b_ps = tl.where(o_c[None, :] < n_vis_r[:, None], b_ps, 0.)
-        b_p = tl.sum(tl.reshape(b_ps, [BT, GP, BC]), 1)  # [BT, BC]
-    else:
-        b_p = tl.zeros([BT, BC], dtype=tl.float32)
-        for i_g in range(G):
-            b_q, b_lse = _head_rows(q, lse, o_t, m_t, o_d, m_d, i_h * G + i_g, HQ, D)
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale2  # [BT, BC]
-            if MASK:
-                b_p += tl.where(o_c[None, :] < n_vis[:, None], tl.exp2(b_s - b_lse[:, None]), 0.)
-            else:
-                b_p += tl.exp2(b_s - b_lse[:, None])
+            b_p += tl.where(o_c[None, :] < n_vis[:, None], tl.exp2(b_s - b_lse[:, None]), 0.)
+        else:
+            b_p += tl.exp2(b_s - b_lse[:, None])
     b_sc, b_carry = _chunk_fold(b_p, b_carry, o_nb, w_in, w_out, o_prev, BT, NB, LOG_NB, SLC, STRIDE, BLOCK, PERM, FOLD4)
     b_key = _chunk_keys(b_sc, j0, m_t, own, o_nb, BT, NB, LOG_NB, TL_SORT, MASK, KEY32, LOG_BT, HYBRID)
     b_top, b_blk = _chunk_merge(b_top, b_blk, b_key, j0, o_nb, BT, NB, LOG_NB, TL_SORT, KEY32, KV, LOG_BT, HYBRID)
@@ -482,7 +475,7 @@ def select_blocks_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     BLOCK: tl.constexpr, STRIDE: tl.constexpr, SLC: tl.constexpr, TOPK: tl.constexpr,
     NB: tl.constexpr, LOG_NB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    GP: tl.constexpr, STACK: tl.constexpr, TL_SORT: tl.constexpr, INTERIOR: tl.constexpr,
+    TL_SORT: tl.constexpr, INTERIOR: tl.constexpr,
     KEY32: tl.constexpr, PERM: tl.constexpr, KV: tl.constexpr, LOG_BT: tl.constexpr, HYBRID: tl.constexpr,
     FOLD4: tl.constexpr, PAIR: tl.constexpr,
 ):
@@ -503,21 +496,6 @@ def select_blocks_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     o_nb = tl.arange(0, NB)
-    if STACK:
-        # the G heads stacked along M (rows t*GP + g, GP = G padded to a power of two): one
-        # [BT*GP, BD] query tile and its lse, loaded once for every chunk
-        o_r = tl.arange(0, BT * GP)
-        o_rt = t0 + o_r // GP
-        m_r = (o_rt < eos) & (o_r % GP < G)
-        o_rhq = i_h * G + o_r % GP
-        b_qs = tl.load(q + (o_rt * HQ + o_rhq)[:, None] * D + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.)
-        b_lses = tl.load(lse + o_rt * HQ + o_rhq, mask=m_r, other=0.) * _LOG2E  # [BT*GP]
-        # rows of padding heads or past the sequence: +inf lse makes their p exactly 0
-        b_lses = tl.where(m_r, b_lses, float("inf"))
-        t_rrel = (o_rt - bos).to(tl.int32)
-        n_vis_r = tl.where(m_r & (t_rrel >= BLOCK - 1), (t_rrel - BLOCK + 1) // STRIDE + 1, 0)  # [BT*GP]
-    else:
-        b_qs, b_lses, n_vis_r = o_t, o_t, o_t  # unread
 
     # the overlap map is banded: the R = l'/d tokens starting in block j give it the share w_in[r]
     # of their keys and spill w_out[r] into block j + 1, which takes it from column j - 1 (o_prev)
@@ -542,8 +520,8 @@ def select_blocks_kernel(
         for c in range(0, tl.minimum(n_chunks, 1)):
             b_top, b_blk, b_carry = _select_chunk(
                 b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
-                w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-                STACK, TL_SORT, True, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
+                w_out, o_prev, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC,
+                TL_SORT, True, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
         if PAIR:  # interior chunks two at a time; an odd one left joins the masked loop below
             for c in range(1, c_in - 1, 2):
                 b_top, b_blk, b_carry = _select_chunk_pair(
@@ -555,15 +533,15 @@ def select_blocks_kernel(
             for c in range(1, c_in):
                 b_top, b_blk, b_carry = _select_chunk(
                     b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d,
-                    o_nb, w_in, w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB,
-                    BT, BC, GP, STACK, TL_SORT, False, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
+                    o_nb, w_in, w_out, o_prev, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB,
+                    BT, BC, TL_SORT, False, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
     else:
         c_in = 0
     for c in range(c_in, n_chunks):
         b_top, b_blk, b_carry = _select_chunk(
             b_top, b_blk, b_carry, c * NB, q, k, lse, o_t, m_t, n_vis, own, n_vis_max, row0, i_h, o_d, m_d, o_nb, w_in,
-            w_out, o_prev, b_qs, b_lses, n_vis_r, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC, GP,
-            STACK, TL_SORT, True, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
+            w_out, o_prev, scale2, HQ, HK, G, D, BD, STRIDE, SLC, NB, LOG_NB, BT, BC,
+            TL_SORT, True, KEY32, PERM, KV, LOG_BT, HYBRID, BLOCK, FOLD4)
 
     # the first TOPK keys are the top n; write their blocks ascending, -1 padded
     m_keep = (o_nb[None, :] < TOPK) & (b_top >= 0)
@@ -620,10 +598,9 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     NB = max(16, triton.next_power_of_2(topk))
     BC = NB * slc_block // stride
     G = HQ // HK
-    GP = triton.next_power_of_2(G)
     cfg = _launch(q.device)
     cfg.update(LAUNCH_OVERRIDE)
-    BT, stack, opts = cfg["BT"], cfg["stack"], cfg["opts"]
+    BT, opts = cfg["BT"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
     interior = cfg.get("interior", True)
     pair = pair_flag(cfg)
@@ -635,18 +612,18 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     select_blocks_kernel[(seq.numel(), HK)](
         q, k_cmp, lse, cu_seqlens, cu_cmp, seq, t0, out, scale * LOG2E,
         HQ=HQ, HK=HK, G=G, D=D, BD=BD, BLOCK=block, STRIDE=stride, SLC=slc_block, TOPK=topk,
-        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, GP=GP, STACK=stack, TL_SORT=tl_sort, INTERIOR=interior, KEY32=key32,
+        NB=NB, LOG_NB=NB.bit_length() - 1, BT=BT, BC=BC, TL_SORT=tl_sort, INTERIOR=interior, KEY32=key32,
         PERM=perm, KV=kv, LOG_BT=BT.bit_length() - 1, HYBRID=hybrid, FOLD4=fold4, PAIR=pair, **opts)
     return out
 
 
-# Launch settings ({"BT", "stack", "opts"}, optional "tl_sort", "interior", "key32", "perm", "kv",
+# Launch settings ({"BT", "opts"}, optional "tl_sort", "interior", "key32", "perm", "kv",
 # "hybrid", "fold", "pair") that replace _launch's; tests and scripts/tune_nsa.py set them. "interior" False
 # runs every chunk with the masks; "key32" False the exact int64 keys (module docstring, step 3);
 # "perm" False the score columns in plain order; "kv" False the gather of the blocks after the merge
 # (int32 keys only); "hybrid" True the hybrid network (with PERM and KV; _launch sets it on the
 # GPU); "fold" False the generic fold; "pair" True the interior chunks two at a time
-# (_select_chunk_pair; with "interior" and per-head matmuls). "perm", "kv" and "fold" default to True (PERM applies at
+# (_select_chunk_pair; with "interior"). "perm", "kv" and "fold" default to True (PERM applies at
 # n <= 16 with l'/d = 4 only).
 LAUNCH_OVERRIDE: dict = {}
 
@@ -663,18 +640,21 @@ def layout_flags(cfg: dict, NB: int, r: int) -> tuple[bool, bool, bool, bool]:
 
 def pair_flag(cfg: dict) -> bool:
     """PAIR of launch settings ``cfg``: "pair" (default False), which needs the interior chunks
-    ("interior") and per-head matmuls (not "stack"; _select_chunk_pair)."""
-    return cfg.get("pair", False) and cfg.get("interior", True) and not cfg["stack"]
+    ("interior"; _select_chunk_pair)."""
+    return cfg.get("pair", False) and cfg.get("interior", True)
 
 
 def _launch(device) -> dict:
-    """Tokens per program, whether the G heads are stacked into one matmul, the sort network,
-    launch options; the same for every G (tune_h200_topk_sort.md measured G=4 and 5)."""
+    """Tokens per program, the sort network, launch options; the same for every G
+    (tune_h200_topk_sort.md measured G=4 and 5). One matmul per head: the heads stacked into one
+    [BT*G, D] matmul (G padded to a power of two) lost on the GPU (below) and that variant is gone."""
     if device.type != "cuda":
         # our network under the CPU interpreter: Triton's runs 7.7x slower there (181 against 24 s
         # for the top-k tests); tests/kernels/compression/test_topk.py checks that both pick the
-        # same blocks, bit for bit
-        return dict(BT=32, stack=False, key32=True, pair=True, opts={})
+        # same blocks, bit for bit. The GPU's 64 tokens per program: the interpreter's time goes
+        # with the number of programs (one top-k test, 4300 tokens: 59 s at 16 tokens, 31 at 32,
+        # 16 at 64), and the tests then run the tile the GPU runs
+        return dict(BT=64, key32=True, pair=True, opts={})
     # benchmarks/results/tune_h200_topk_sort.md: Triton's sort network with 64 tokens per program,
     # one matmul per head, wins at every group size measured: 8.05 ms against 8.49 (our network,
     # stacked heads) at 64K and 123.3 against 130.3 at 256K for G=4; 8.57 against 9.80 at 64K for
@@ -691,5 +671,5 @@ def _launch(device) -> dict:
     # The interior chunks two at a time (pair, module docstring): 3.64-3.71 against 3.78-3.84 ms at
     # 64K and 57.80-59.03 against 60.60-61.48 at 256K for G=4, 4.31-4.40 against 4.46-4.58 for G=5 (two
     # runs), the same blocks; other register caps and stages lost (tune_h200_topk_pair.md)
-    return dict(BT=64, stack=False, tl_sort=True, key32=True, hybrid=True, pair=True,
+    return dict(BT=64, tl_sort=True, key32=True, hybrid=True, pair=True,
                 opts=dict(num_warps=4, num_stages=2, maxnreg=168))

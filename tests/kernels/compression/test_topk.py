@@ -94,31 +94,19 @@ def test_tile_table_never_crosses_sequences(device):
     assert (covered == 1).all()
 
 
-@pytest.mark.parametrize("group", ["G1", "G3", "G5", "G16"])
-def test_select_blocks_stacked_heads(group, device, monkeypatch):
-    """The variant that stacks the group's heads (padded to a power of two) into one matmul."""
-    from flash_msa.compression import topk
-    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, stack=True))
-    HQ, HK = GROUPS[group]
-    # long enough that most tokens choose 1 of their 4 blocks among up to 12 candidates
-    _check([0, 5, 300, 420], HQ, HK, 16, 4, 32, device)
-
-
-@pytest.mark.parametrize("stack", [False, True], ids=["loop", "stacked"])
-def test_select_blocks_sort_networks_agree(stack, device, monkeypatch):
+def test_select_blocks_sort_networks_agree(device, monkeypatch):
     """Triton's tl.sort / tl.bitonic_merge (the GPU default) and our network (the interpreter's):
     each matches the reference, and they pick the same blocks bit for bit."""
     from flash_msa.compression import topk
     picked = []
     for tl_sort in (True, False):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, stack=stack, tl_sort=tl_sort))
+        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=64, tl_sort=tl_sort))
         torch.manual_seed(0)
         picked.append(_check([0, 5, 300, 420], 10, 2, 16, 4, 32, device))
     assert torch.equal(picked[0], picked[1])
 
 
-@pytest.mark.parametrize("stack", [False, True], ids=["loop", "stacked"])
-def test_select_blocks_interior_chunks_unmasked(stack, device, monkeypatch):
+def test_select_blocks_interior_chunks_unmasked(device, monkeypatch):
     """The chunks that every token of a tile sees in full run without the masks (INTERIOR): the
     blocks are the same, bit for bit, as with every chunk masked, on sequences of several chunks
     of 16 blocks (the middle ones interior) next to short ones, with tiles past a sequence's end."""
@@ -126,7 +114,7 @@ def test_select_blocks_interior_chunks_unmasked(stack, device, monkeypatch):
     cu_list = [0, 40, 900, 917]
     got = []
     for interior in (True, False):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, stack=stack, interior=interior))
+        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=64, interior=interior))
         torch.manual_seed(0)
         got.append(_check(cu_list, 6, 2, 16, 4, 16, device, l=16, d=16))
     assert torch.equal(got[0], got[1])
@@ -150,13 +138,12 @@ def test_select_blocks_permuted_columns_agree(key32, device, monkeypatch):
     int32 keys, carry the blocks through the merge (KV): each matches the reference up to
     near-ties (both key widths), and with the columns in plain order and the blocks gathered back
     it picks the same blocks (int32 keys), over a sequence of three chunks of 16 blocks (the middle
-    one interior for the last tiles) beside a short one, at G = 5 (on the GPU with the shipped
-    64-token tiles, whose wgmma layout the permutation is written for)."""
+    one interior for the last tiles) beside a short one, at G = 5, with the shipped 64-token tiles
+    (whose wgmma layout the permutation is written for on the GPU)."""
     from flash_msa.compression import topk
-    BT = 64 if device == "cuda" else 16
     picked = []
     for perm in ((True, False) if key32 else (True,)):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=BT, key32=key32, perm=perm, kv=perm))
+        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=64, key32=key32, perm=perm, kv=perm))
         torch.manual_seed(0)
         picked.append(_check([0, 37, 2230], 5, 1, 16, 16, 64, device))
     if not key32:
@@ -191,7 +178,7 @@ def test_select_blocks_paired_interior_chunks_agree(sizes, cu_list, device, monk
     defaults (PERM, with the hybrid network on the GPU)."""
     from flash_msa.compression import topk
     l, d, lp = sizes
-    base = dict(topk._launch(torch.device(device)), BT=64 if device == "cuda" else 16)
+    base = dict(topk._launch(torch.device(device)), BT=64)
     launched = []
 
     class Spy:  # records the PAIR each launch gets
@@ -226,15 +213,14 @@ def test_select_blocks_paired_interior_chunks_agree(sizes, cu_list, device, monk
     assert {2, 3} <= counts
 
 
-@pytest.mark.parametrize("stack", [False, True], ids=["loop", "stacked"])
-def test_select_blocks_key_widths_agree(stack, device, monkeypatch):
+def test_select_blocks_key_widths_agree(device, monkeypatch):
     """int32 keys (score bits truncated to make room for a priority; the default) and the exact
     int64 keys: each matches the reference up to near-ties, and they pick the same blocks on
     nearly every row."""
     from flash_msa.compression import topk
     picked = []
     for key32 in (True, False):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, stack=stack, key32=key32))
+        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=64, key32=key32))
         torch.manual_seed(0)
         picked.append(_check([0, 5, 300, 420], 10, 2, 16, 4, 32, device))
     assert (picked[0] == picked[1]).all(-1).float().mean() >= 0.99
@@ -246,7 +232,7 @@ def test_select_blocks_exact_ties_go_to_lower_blocks(key32, device, monkeypatch)
     compressed tokens cover alike tie exactly, across chunks and inside them: the lower blocks
     must win, exactly as in the reference (n = 4 of up to 56 blocks of l' = 16)."""
     from flash_msa.compression import topk
-    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, key32=key32))
+    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=64, key32=key32))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cu_list, HQ, HK, D, l, d, lp, n = [0, 30, 900], 6, 2, 16, 16, 16, 16, 4
     cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
@@ -272,7 +258,7 @@ def test_select_blocks_more_than_16_slots(key32, device, monkeypatch):
     up to 56 blocks of l' = 16, so chunks are merged into a list that is not yet full and into
     a full one; each key width matches the reference up to near-ties."""
     from flash_msa.compression import topk
-    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=16, key32=key32))
+    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(BT=64, key32=key32))
     idx = _check([0, 30, 900], 4, 2, 16, 20, 16, device, l=16, d=16)
     assert (idx[-1] >= 0).sum(-1).eq(20).all()
 

@@ -18,6 +18,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else
 import pytest  # noqa: E402
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one pytest worker per core, at most 4. The interpreted kernels
+    run one core each, so on CI's 2 cores the suite takes about half the time; past 4 the
+    multi-process tests (up to 4 ranks each) would crowd the machine."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels the H200 image lacks, downloaded here into .whl/ (gitignored) and carried to the
 # device with `carry: [".whl"]`. The image already has torch, triton, transformers,
-# accelerate, safetensors, pyarrow, fsspec, huggingface-hub, rich, pytest, matplotlib.
+# accelerate, safetensors, pyarrow, fsspec, huggingface-hub, rich, pytest, matplotlib; pytest-xdist
+# (the suite runs with -n auto, pyproject.toml) is not.
 # On the device:  pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,7 @@ WHEELS=(
   wandb==0.31.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   sentry-sdk==2.75.0 gitpython==3.2.1 gitdb==4.0.12 smmap==5.0.3 platformdirs==4.14.8
   hjson==3.1.0 fla-core==0.6.0
+  pytest-xdist==3.8.0 execnet==2.1.2
 )
 python3 -m pip download -q "${PY[@]}" "${WHEELS[@]}"
 # sdists turned into wheels here (pure python)

@@ -44,10 +44,22 @@ def run_point(recipe: str, attention: str, seq_len: int, steps: int, extra: List
         return point
     point["ok"] = proc.returncode == 0
     if proc.returncode != 0:
-        point["error"] = "OOM" if "out of memory" in proc.stderr[-4000:].lower() else _error_line(proc.stderr)
+        point["error"] = _oom(proc.stderr) or _error_line(proc.stderr)
+        point["stderr_tail"] = proc.stderr.strip().splitlines()[-25:]  # where it failed, for the JSON
         return point
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return point | {"records": records, "summary": json.loads((out_dir / "summary.json").read_text())}
+    summary = json.loads((out_dir / "summary.json").read_text())
+    return point | {"records": records, "summary": summary, "peak_memory_gb": summary.get("peak_memory_gb")}
+
+
+def _oom(stderr: str) -> Optional[str]:
+    """"OOM", with the allocation that failed and the memory then free when the message says so."""
+    tail = stderr[-8000:]
+    if "out of memory" not in tail.lower():
+        return None
+    asked = re.findall(r"Tried to allocate ([\d.]+ [KMGT]iB)", tail)
+    free = re.findall(r"of which ([\d.]+ [KMGT]iB) is free", tail)
+    return "OOM" + (f" ({asked[-1]} asked, {free[-1]} free)" if asked and free else "")
 
 
 def _error_line(stderr: str) -> str:
@@ -85,6 +97,12 @@ def write_outputs(result: Dict, stem: Path) -> None:
         base = tps.get("full")
         speed = [f"{tps[a] / base:.2f}x" if (tps[a] and base) else "-" for a in atts if a != "full"]
         lines.append(f"| {T:,} | " + " | ".join(map(str, cells)) + " | " + " | ".join(speed) + " |")
+    peaks = {key: p.get("peak_memory_gb") for key, p in table.items()}
+    if any(peaks.values()):
+        lines += ["", "Peak device memory (GB, torch.cuda.max_memory_allocated) of each point:", "",
+                  "| seq_len | " + " | ".join(atts) + " |", "|---" * (1 + len(atts)) + "|"]
+        lines += [f"| {T:,} | " + " | ".join(f"{peaks[(a, T)]:.1f}" if peaks.get((a, T)) else "-" for a in atts) + " |"
+                  for T in lens]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

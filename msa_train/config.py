@@ -78,6 +78,8 @@ class ParallelConfig:
     offload_optimizer: bool = False      # ZeRO >= 1: optimizer state in host memory
     offload_params: bool = False         # ZeRO 3 only: parameters in host memory
     activation_checkpointing: bool = False
+    offload_activations: bool = False    # with activation_checkpointing: the layers' saved inputs in host memory
+    tile_tokens: int = 0                 # > 0: MLPs and RMSNorms keep less for the backward, in tiles of this many tokens
     sp_degree: int = 1                   # sequence parallel degree (Ulysses): ranks per sequence
     backend: str = "auto"                # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     optimizer: str = "torch"             # torch (torch.optim.AdamW) | deepspeed (FusedAdam / cpu_adam, JIT-built)
@@ -91,6 +93,10 @@ class ParallelConfig:
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("parallel.offload_params=true needs parallel.zero_stage=3")
         _at_least("parallel.sp_degree", self.sp_degree, 1, "an integer >= 1")
+        _at_least("parallel.tile_tokens", self.tile_tokens, 0, "an integer >= 0 (0: no tiling)")
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ValueError("parallel.offload_activations=true needs parallel.activation_checkpointing=true "
+                             "(what is offloaded is the checkpointed layers' inputs)")
 
 
 @dataclass

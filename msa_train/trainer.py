@@ -186,7 +186,8 @@ class Trainer:
 
         cfg = self.cfg
         parallelize(self.model, activation_checkpointing=cfg.parallel.activation_checkpointing,
-                    zero_stage=cfg.parallel.zero_stage)
+                    zero_stage=cfg.parallel.zero_stage, offload_activations=cfg.parallel.offload_activations,
+                    tile_tokens=cfg.parallel.tile_tokens)
         self.module = CausalLMWithLoss(self.model, cfg.train.loss_chunk_tokens)
 
     def _build_optimizer(self) -> None:

@@ -2,8 +2,9 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e nsa selected variants ncu
-# (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT)
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e longest nsa selected variants ncu
+# (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
+# longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_TIMEOUT and LONG_POINT_TIMEOUT)
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, the carried wheels, PYTHONPATH
 stages=${*:-tests tiny e2e nsa}
@@ -24,6 +25,13 @@ for stage in $stages; do
       timeout "${E2E_TIMEOUT:-560}" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "${E2E_ATTN:-full,nsa,fmsa}" \
         --seq-lens "${E2E_LENS:-65536,131072}" --steps 4 --timeout 240 --out "$OUT/e2e_llama3_8b_4layers_h200" \
         -- model.hf_config.num_hidden_layers=4 2>&1 | tail -15 | tee "$OUT/e2e.log" ;;
+    longest)  # the longest sequences that train: Llama3-8B layer shapes (4 layers), 2 steps per point,
+              # with the memory options (host-held layer inputs, tiled MLPs and norms, host optimizer state)
+      timeout "${LONG_TIMEOUT:-560}" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "${LONG_ATTN:-fmsa}" \
+        --seq-lens "${LONG_LENS:-524288,1048576}" --steps 2 --warmup 1 --timeout "${LONG_POINT_TIMEOUT:-400}" \
+        --out "$OUT/long_llama3_8b_4layers_h200${LONG_TAG:-}" -- model.hf_config.num_hidden_layers=4 \
+        ${LONG_OPTS-parallel.offload_activations=true parallel.tile_tokens=32768 parallel.offload_optimizer=true} \
+        2>&1 | tail -20 | tee "$OUT/longest${LONG_TAG:-}.log" ;;
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)
       timeout 300 python3 scripts/bench_nsa.py --out "$OUT" --Ts 8192,32768,65536,131072,262144,524288 \
         --models llama3_8b,qwen3_14b --qwen-Ts 65536,262144 \

@@ -15,6 +15,8 @@ from typing import Any, Dict
 
 import torch.nn as nn
 
+from msa_train.parallel.memory import offloaded_checkpoint, tile_token_layers
+
 
 class ModelInitContext:
     """Context for building the model. Under ZeRO-3 it registers the DeepSpeed config with
@@ -47,16 +49,33 @@ def model_init_context(zero_stage: int, ds_config: Dict[str, Any]) -> ModelInitC
     return ModelInitContext(zero_stage, ds_config)
 
 
-def parallelize(model: nn.Module, *, activation_checkpointing: bool, zero_stage: int) -> nn.Module:
+def parallelize(model: nn.Module, *, activation_checkpointing: bool, zero_stage: int,
+                offload_activations: bool = False, tile_tokens: int = 0) -> nn.Module:
     """Apply memory/parallel transforms to the patched HF model (in place).
 
     * Activation checkpointing: HF's per-decoder-layer checkpointing, non-reentrant (works with
-      ZeRO-3 and with the NSA hidden-state pre-hook, which re-runs during recomputation).
+      ZeRO-3 and with the NSA hidden-state pre-hook, which re-runs during recomputation). With
+      ``offload_activations`` the layers' saved inputs (the hidden states, ``T x hidden`` per layer)
+      are held in pinned host memory between the forward and the layer's backward.
+    * ``tile_tokens > 0``: the token-wise layers keep less for the backward (``memory.tile_token_layers``):
+      each decoder MLP runs in tiles of at most that many tokens (DeepSpeed's ``TiledMLP``), and the
+      RMSNorms save their input only and recompute their fp32 insides in the backward, tile by tile.
     * ZeRO-3: NSA modules use their sub-modules' weights as tensors (compression maps, gate), so
       they are ZeRO-3 leaf modules: all their parameters are gathered when the NSA module runs.
     """
+    if offload_activations and not activation_checkpointing:
+        raise ValueError("offload_activations offloads the checkpointed layers' inputs: it needs activation_checkpointing")
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if offload_activations:
+            layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
+                      and hasattr(m, "_gradient_checkpointing_func")]
+            if not layers:
+                raise ValueError("parallel.offload_activations: the model has no checkpointed layers to offload")
+            for layer in layers:
+                layer._gradient_checkpointing_func = offloaded_checkpoint
+    if tile_tokens:
+        tile_token_layers(model, tile_tokens)
     model.config.use_cache = False
     if zero_stage == 3:
         from deepspeed.utils import set_z3_leaf_modules

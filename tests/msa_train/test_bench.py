@@ -6,7 +6,8 @@ from msa_train.bench import write_outputs
 
 def test_bench_report_tables_speedup_and_failures(tmp_path):
     result = {"recipe": "tiny", "device": "cpu", "attention": ["full", "fmsa"], "seq_lens": [512, 1024],
-              "points": [{"attention": "full", "seq_len": 512, "tokens_per_s": 1000.0, "ok": True},
+              "points": [{"attention": "full", "seq_len": 512, "tokens_per_s": 1000.0, "ok": True,
+                          "peak_memory_gb": 61.25},
                          {"attention": "fmsa", "seq_len": 512, "tokens_per_s": 2500.0, "ok": True},
                          {"attention": "full", "seq_len": 1024, "tokens_per_s": None, "ok": False, "error": "OOM"},
                          {"attention": "fmsa", "seq_len": 1024, "tokens_per_s": 2000.0, "ok": True}]}
@@ -15,6 +16,16 @@ def test_bench_report_tables_speedup_and_failures(tmp_path):
     md = (tmp_path / "e2e_tiny_cpu.md").read_text()
     assert "| 512 | 1,000 | 2,500 | 2.50x |" in md
     assert "| 1,024 | OOM | 2,000 | - |" in md
+    assert "| 512 | 61.2 | - |" in md and "| 1,024 | - | - |" in md  # peak memory, where known
+
+
+def test_oom_message_names_the_allocation():
+    from msa_train.bench import _oom
+
+    err = ("Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB. GPU 0 has a "
+           "total capacity of 139.81 GiB of which 3.52 GiB is free. Of the allocated memory ...")
+    assert _oom(err) == "OOM (16.00 GiB asked, 3.52 GiB free)"
+    assert _oom("RuntimeError: something else") is None
 
 
 def test_bench_report_of_a_partial_run(tmp_path):

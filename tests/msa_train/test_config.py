@@ -29,6 +29,9 @@ def test_bare_config_is_tiny_with_nsa_auto():
     ("model.model_type=gpt2", "model.model_type='gpt2' is not allowed; choose one of: llama, qwen2, qwen3"),
     ("attention.slc_block=48", "slc_block must be one of (16, 32, 64, 128)"),
     ("parallel.offload_params=true", "parallel.offload_params=true needs parallel.zero_stage=3"),
+    ("parallel.offload_activations=true",
+     "parallel.offload_activations=true needs parallel.activation_checkpointing=true"),
+    ("parallel.tile_tokens=-8", "parallel.tile_tokens=-8 is not allowed; expected an integer >= 0 (0: no tiling)"),
 ])
 def test_bad_value_names_key_and_choices(override, expected):
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

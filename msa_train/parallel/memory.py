@@ -1,0 +1,125 @@
+"""Activation memory for long sequences: what a decoder layer keeps for its backward.
+
+At 1M tokens every ``T x hidden`` tensor of a Llama-3-8B layer is 8 GB in bf16 and 16 GB in fp32.
+Under per-layer activation checkpointing a layer keeps its input between the forward and its
+backward, and during its recompute and backward it holds all it saved at once: by the saved
+tensors of one Llama-3-8B-shape layer (bf16, SDPA attention) 197 KB per token, of which the
+SwiGLU MLP keeps 120 (four ``T x intermediate`` tensors) and each of the two RMSNorms 24 (HF's
+norm saves its fp32 input and fp32 normalised rows). With ``parallel.tile_tokens`` the MLP and
+the norms keep 8 KB per token each (their bf16 input) and the layer 85 KB, the rest being
+attention's; ``parallel.offload_activations`` moves the layers' inputs to host memory.
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn as nn
+
+
+def offloaded_checkpoint(function, *args, **kwargs):
+    """Non-reentrant ``torch.utils.checkpoint`` whose saved inputs live in host memory.
+
+    The checkpoint saves its inputs as autograd saved tensors before it runs the layer (under its
+    own hooks, which keep nothing of the layer's insides), so an enclosing ``save_on_cpu`` moves
+    exactly those inputs to pinned host memory, and the backward copies each back just before
+    the layer is recomputed. (transformers 5.24 offers the same as ``activation_checkpointing_enable(
+    offload=True)``; setting the layers' checkpoint function works with every version we support.)
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    with torch.autograd.graph.save_on_cpu(pin_memory=cuda):  # CPU tensors: packed as they are
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def tile_token_layers(model: nn.Module, tile_tokens: int) -> tuple[int, int]:
+    """Make every decoder MLP and every RMSNorm of ``model`` keep only its input for the backward,
+    working on at most ``tile_tokens`` tokens at a time; returns (MLPs, norms) patched.
+
+    * MLPs run through DeepSpeed's ``TiledMLP``: the tiles run without autograd in the forward and
+      each is recomputed with it in the backward, so the ``T x intermediate`` activations exist one
+      tile at a time.
+    * RMSNorms run through :class:`_RecomputedNorm` (HF's norm, recomputed tile by tile).
+
+    The number of tiles depends only on the sequence length, so every rank (data or sequence
+    parallel) runs the same number and ZeRO-3's parameter gathers stay in step.
+    """
+    if tile_tokens < 1:
+        raise ValueError(f"parallel.tile_tokens must be >= 1 (0 turns tiling off), got {tile_tokens}")
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    mlps = [layer.mlp for layer in (layers or []) if hasattr(layer, "mlp")]
+    norms = [m for m in model.modules()
+             if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight")]
+    if not mlps:
+        raise ValueError(f"parallel.tile_tokens: {type(model).__name__} has no decoder layers with an `mlp`")
+    for mlp in mlps:
+        mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
+        mlp.tile_tokens = tile_tokens
+    for norm in norms:
+        norm.forward = types.MethodType(_recomputed_norm_forward, norm)
+        norm.tile_tokens = tile_tokens
+    return len(mlps), len(norms)
+
+
+def _tiles(x: torch.Tensor, tile_tokens: int) -> int:
+    """Tiles for x [B, T, ...] (the sequence on dim 1, as in HF's layers), at least one."""
+    tokens = x.shape[1] if x.dim() >= 3 else x.shape[0]
+    return max(1, math.ceil(tokens / tile_tokens))
+
+
+def _plain_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return type(mlp).forward(mlp, x)
+
+
+def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    tiles = min(x.shape[-2], _tiles(x, self.tile_tokens))  # TiledMLP splits dim -2
+    if tiles <= 1 or not torch.is_grad_enabled():
+        return type(self).forward(self, x)
+    return TiledMLP.apply(_plain_mlp, self, x, tiles, list(self.parameters()))
+
+
+def _recomputed_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return type(self).forward(self, x)
+    return _RecomputedNorm.apply(x, self.weight, self)
+
+
+class _RecomputedNorm(torch.autograd.Function):
+    """HF's RMSNorm (the module's own forward) keeping only its input for the backward.
+
+    Written here because the library versions of this (liger-kernel's fused RMSNorm) are Triton
+    kernels of their own, which the GPU image lacks and the CPU tests could only interpret: this
+    reuses HF's code as it is, so the forward is HF's bit for bit, and the backward recomputes it
+    with autograd in token tiles, so its fp32 temporaries exist one tile at a time. The weight's
+    gradient is summed over the tiles in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, norm):
+        ctx.norm = norm
+        ctx.save_for_backward(x)
+        return type(norm).forward(norm, x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        norm = ctx.norm
+        weight = norm.weight
+        width = x.shape[-1]
+        tiles = _tiles(x, norm.tile_tokens)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        train_weight = weight.requires_grad
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if train_weight else None
+        for xs, dys, dxs in zip(x.reshape(-1, width).chunk(tiles), dy.reshape(-1, width).chunk(tiles),
+                                dx.view(-1, width).chunk(tiles)):
+            with torch.enable_grad():
+                leaf = xs.detach().requires_grad_()
+                grads = torch.autograd.grad(type(norm).forward(norm, leaf), (leaf, weight) if train_weight else leaf, dys)
+            dxs.copy_(grads[0])
+            if train_weight:
+                dw += grads[1]
+        return dx, dw.to(weight.dtype) if train_weight else None, None

@@ -1,0 +1,132 @@
+"""Memory options for long sequences: decoder MLPs over sequence tiles (DeepSpeed's TiledMLP) and
+the checkpointed layers' inputs in host memory (parallel.mlp_tile_tokens, parallel.offload_activations)."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from msa_train.parallel.engine import parallelize
+from tests.msa_train._util import FAST, train
+
+LAYERS, HIDDEN = 3, 64
+
+
+def _model(**parallel):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=HIDDEN, intermediate_size=176, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).float().train()
+    parallelize(model, zero_stage=0, **{"activation_checkpointing": False, **parallel})
+    return model
+
+
+def _run(model, T=200):
+    """Logits and every parameter's gradient of one forward + backward on fixed random tokens."""
+    ids = torch.randint(0, 97, (1, T), generator=torch.Generator().manual_seed(1))
+    logits = model(input_ids=ids, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tiled_mlp_gives_the_plain_mlp_results_one_tile_at_a_time(checkpointing):
+    ref_logits, ref_grads = _run(_model(activation_checkpointing=checkpointing))
+    model = _model(activation_checkpointing=checkpointing, tile_tokens=64)
+    seen = []  # tokens per call of every MLP's down projection, forward and backward recompute
+    for layer in model.model.layers:
+        layer.mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[-2]))
+    logits, grads = _run(model)
+    # 200 tokens in tiles of 64: 4 calls per layer in the forward, 4 more in the backward (and the
+    # checkpoint's recompute of the layer runs its forward again)
+    assert sorted(set(seen)) == [50] and len(seen) == LAYERS * 4 * (3 if checkpointing else 2)
+    assert _rel(logits, ref_logits) < 1e-6
+    for name, g in ref_grads.items():
+        assert _rel(grads[name], g) < 1e-5, name
+
+
+@pytest.mark.parametrize("tiles", [False, True])
+def test_tiles_keep_neither_mlp_intermediates_nor_fp32_rows_for_the_backward(tiles):
+    """bf16: what autograd saves (parameters aside). HF's norms keep fp32 rows and its MLP four
+    T x intermediate tensors; tiled, only token rows in the model's dtype (MLP and norm inputs,
+    attention's tensors) remain; the tiles' recompute in the backward is transient."""
+    model = _model(**({"tile_tokens": 64} if tiles else {})).to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    ids = torch.randint(0, 97, (1, 200))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # the forward's saves only
+        logits = model(input_ids=ids, use_cache=False).logits
+    logits.float().square().mean().backward()
+    big = [s for s in saved if s[0] and (s[0][-1] == 176 or (s[1] == torch.float32 and s[0][-1] == HIDDEN))]
+    assert bool(big) != tiles, big[:4]
+
+
+def test_offloaded_checkpoints_pass_each_layer_input_through_the_host_hooks(monkeypatch):
+    """What save_on_cpu packs under offload_activations is exactly the decoder layers' inputs (one
+    [1, T, hidden] tensor per layer), and the gradients are those of plain checkpointing."""
+    ref_logits, ref_grads = _run(_model(activation_checkpointing=True))
+    packed = []
+
+    class Recording(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self, pin_memory=False):
+            super().__init__(lambda t: packed.append(tuple(t.shape)) or t.clone(), lambda t: t)
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Recording)
+    logits, grads = _run(_model(activation_checkpointing=True))
+    assert packed == [], "plain checkpointing must not offload"
+    logits, grads = _run(_model(activation_checkpointing=True, offload_activations=True))
+    # (torch 2.11's checkpoint also saves an empty placeholder per layer)
+    assert [shape for shape in packed if shape != (0,)] == [(1, 200, HIDDEN)] * LAYERS
+    assert torch.equal(logits, ref_logits)
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[name], g), name
+
+
+@pytest.mark.parametrize("parallel", ["zero2", "zero3"])
+def test_training_with_tiles_and_offload_follows_plain_training(tmp_path, parallel):
+    """Under ZeRO-2 and ZeRO-3 (TiledMLP holds each MLP weight's gradient back until its last tile)
+    two steps give the plain run's losses and gradient norms."""
+    common = [f"parallel={parallel}", "parallel.activation_checkpointing=true", "train.steps=2",
+              "train.seq_len=256", *FAST]
+    _, plain = train([*common, f"train.output_dir={tmp_path / 'a'}"])
+    _, tiled = train([*common, "parallel.tile_tokens=100", "parallel.offload_activations=true",
+                      f"train.output_dir={tmp_path / 'b'}"])
+    for a, b in zip(plain, tiled):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_and_tiles_lower_cuda_memory():
+    """On the GPU: after the forward, the offloaded run holds the layers' inputs in host memory (their
+    bytes are off the device), and the tiled MLPs lower the backward's peak."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16384)
+    T = 16384
+    ids = torch.randint(0, 512, (1, T), device="cuda")
+    stats = {}
+    for name, opts in {"plain": {}, "offload": {"offload_activations": True}, "tiles": {"tile_tokens": 2048}}.items():
+        model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
+        parallelize(model, activation_checkpointing=True, zero_stage=0, **opts)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        after_forward = torch.cuda.memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        hidden.float().square().mean().backward()
+        stats[name] = (after_forward, torch.cuda.max_memory_allocated() - base)
+        del model, hidden
+        torch.cuda.empty_cache()
+    layer_inputs = cfg.num_hidden_layers * T * cfg.hidden_size * 2
+    assert stats["plain"][0] - stats["offload"][0] >= 0.9 * layer_inputs, stats
+    mlp_acts = 3 * T * cfg.intermediate_size * 2  # gate, up and their product of one layer, at least
+    assert stats["plain"][1] - stats["tiles"][1] >= 0.8 * mlp_acts, stats

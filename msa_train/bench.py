@@ -99,7 +99,7 @@ def write_outputs(result: Dict, stem: Path) -> None:
         lines.append(f"| {T:,} | " + " | ".join(map(str, cells)) + " | " + " | ".join(speed) + " |")
     peaks = {key: p.get("peak_memory_gb") for key, p in table.items()}
     if any(peaks.values()):
-        lines += ["", "Peak device memory (GB, torch.cuda.max_memory_allocated) of each point:", "",
+        lines += ["", "Peak device memory (GiB, torch.cuda.max_memory_allocated) of each point:", "",
                   "| seq_len | " + " | ".join(atts) + " |", "|---" * (1 + len(atts)) + "|"]
         lines += [f"| {T:,} | " + " | ".join(f"{peaks[(a, T)]:.1f}" if peaks.get((a, T)) else "-" for a in atts) + " |"
                   for T in lens]

@@ -51,8 +51,10 @@ _VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS els
 def stash_hidden_states(module, args, kwargs):
     """Forward pre-hook: keep the attention input [B, T, hidden] for the NSA gates, and check the
     KV cache the layer is about to extend (:func:`check_kv_cache`)."""
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
-    setattr(module, _HIDDEN, hidden)
+    sparse = getattr(getattr(module, "config", None), "_attn_implementation", None) == NSA
+    # only the NSA backend takes (and drops) them: under full attention a stashed input would stay
+    # on every layer's module, T x hidden each, after the forward
+    setattr(module, _HIDDEN, kwargs.get("hidden_states", args[0] if args else None) if sparse else None)
     check_kv_cache(module, kwargs)
 
 

@@ -1,13 +1,13 @@
 """Activation memory for long sequences: what a decoder layer keeps for its backward.
 
-At 1M tokens every ``T x hidden`` tensor of a Llama-3-8B layer is 8 GB in bf16 and 16 GB in fp32.
+At 1M tokens every ``T x hidden`` tensor of a Llama-3-8B layer is 8 GiB in bf16 and 16 GiB in fp32.
 Under per-layer activation checkpointing a layer keeps its input between the forward and its
-backward, and during its recompute and backward it holds all it saved at once: by the saved
-tensors of one Llama-3-8B-shape layer (bf16, SDPA attention) 197 KB per token, of which the
-SwiGLU MLP keeps 120 (four ``T x intermediate`` tensors) and each of the two RMSNorms 24 (HF's
-norm saves its fp32 input and fp32 normalised rows). With ``parallel.tile_tokens`` the MLP and
-the norms keep 8 KB per token each (their bf16 input) and the layer 85 KB, the rest being
-attention's; ``parallel.offload_activations`` moves the layers' inputs to host memory.
+backward, and during its recompute and backward it holds all it saved at once. Counted with
+saved-tensor hooks on one Llama-3-8B-shape layer (bf16, SDPA attention), in KiB per token: 197 in
+all, of which the SwiGLU MLP 120 (its input and four ``T x intermediate`` tensors) and each of HF's
+two RMSNorms 24 (its fp32 input and its bf16 normalised rows). With ``parallel.tile_tokens`` the MLP
+and each norm keep 8 (their bf16 input) and the layer 53, the rest being attention's;
+``parallel.offload_activations`` moves the layers' inputs to host memory.
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ def offloaded_checkpoint(function, *args, **kwargs):
     """
     from torch.utils.checkpoint import checkpoint
 
+    if not any(isinstance(a, torch.Tensor) for a in args):  # what save_on_cpu would move: positional inputs only
+        raise RuntimeError("parallel.offload_activations: the checkpointed layer got its hidden states as a keyword "
+                           "argument, which the checkpoint does not save (nothing would be offloaded)")
     cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
     with torch.autograd.graph.save_on_cpu(pin_memory=cuda):  # CPU tensors: packed as they are
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
@@ -64,8 +67,8 @@ def tile_token_layers(model: nn.Module, tile_tokens: int) -> tuple[int, int]:
 
 
 def _tiles(x: torch.Tensor, tile_tokens: int) -> int:
-    """Tiles for x [B, T, ...] (the sequence on dim 1, as in HF's layers), at least one."""
-    tokens = x.shape[1] if x.dim() >= 3 else x.shape[0]
+    """Tiles of at most ``tile_tokens`` tokens for x [B, T, ...] (HF's layout), at least one."""
+    tokens = x.shape[0] * x.shape[1] if x.dim() >= 3 else x.shape[0]
     return max(1, math.ceil(tokens / tile_tokens))
 
 
@@ -76,7 +79,7 @@ def _plain_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    tiles = min(x.shape[-2], _tiles(x, self.tile_tokens))  # TiledMLP splits dim -2
+    tiles = min(x.shape[-2], _tiles(x, self.tile_tokens))  # TiledMLP splits dim -2 (T), B rows per tile
     if tiles <= 1 or not torch.is_grad_enabled():
         return type(self).forward(self, x)
     return TiledMLP.apply(_plain_mlp, self, x, tiles, list(self.parameters()))
@@ -109,17 +112,19 @@ class _RecomputedNorm(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         norm = ctx.norm
         weight = norm.weight
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         width = x.shape[-1]
         tiles = _tiles(x, norm.tile_tokens)
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        train_weight = weight.requires_grad
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if train_weight else None
-        for xs, dys, dxs in zip(x.reshape(-1, width).chunk(tiles), dy.reshape(-1, width).chunk(tiles),
-                                dx.view(-1, width).chunk(tiles)):
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_x else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        dx_tiles = dx.view(-1, width).chunk(tiles) if want_x else [None] * tiles
+        for xs, dys, dxs in zip(x.reshape(-1, width).chunk(tiles), dy.reshape(-1, width).chunk(tiles), dx_tiles):
             with torch.enable_grad():
-                leaf = xs.detach().requires_grad_()
-                grads = torch.autograd.grad(type(norm).forward(norm, leaf), (leaf, weight) if train_weight else leaf, dys)
-            dxs.copy_(grads[0])
-            if train_weight:
-                dw += grads[1]
-        return dx, dw.to(weight.dtype) if train_weight else None, None
+                leaf = xs.detach().requires_grad_(want_x)
+                inputs = [t for t, want in ((leaf, want_x), (weight, want_w)) if want]
+                grads = iter(torch.autograd.grad(type(norm).forward(norm, leaf), inputs, dys))
+            if want_x:
+                dxs.copy_(next(grads))
+            if want_w:
+                dw += next(grads)
+        return dx, dw.to(weight.dtype) if want_w else None, None

@@ -65,12 +65,19 @@ def register_all() -> None:
 
 def run(cfg) -> dict:
     """Validate the composed config and train (or evaluate, with eval.only). Returns the run summary."""
+    import torch
+
     from msa_train.config import to_typed
     from msa_train.trainer import Trainer
 
     typed = to_typed(cfg)  # every __post_init__ check runs here, before any work
     _quiet_libraries()
-    summary = Trainer(typed).run()
+    try:
+        summary = Trainer(typed).run()
+    except torch.OutOfMemoryError as e:  # same type and message, plus what to turn on
+        from msa_train.parallel.memory import out_of_memory_hint
+
+        raise torch.OutOfMemoryError(f"{e}\n\nmsa-train: {out_of_memory_hint(typed)}") from e
     _shutdown_distributed()
     return summary
 

@@ -128,3 +128,26 @@ class _RecomputedNorm(torch.autograd.Function):
             if want_w:
                 dw += next(grads)
         return dx, dw.to(weight.dtype) if want_w else None, None
+
+
+def out_of_memory_hint(cfg) -> str:
+    """What a run that ran out of device memory can turn on, from its config (``msa_train.config``'s
+    typed config): the memory options it does not use yet, then more GPUs or shorter sequences.
+    The CLI appends it to the out-of-memory error."""
+    p, steps = cfg.parallel, []
+    if not p.activation_checkpointing:
+        steps.append("parallel.activation_checkpointing=true (each layer keeps only its input)")
+    if not p.tile_tokens:
+        steps.append("parallel.tile_tokens=32768 (MLPs and norms keep only their inputs)")
+    if not p.offload_activations:
+        steps.append("parallel.offload_activations=true (the layers' inputs in host memory; needs checkpointing)")
+    if p.zero_stage == 0:
+        steps.append("parallel=zero2 parallel.offload_optimizer=true (AdamW state in host memory)")
+    elif not p.offload_optimizer:
+        steps.append("parallel.offload_optimizer=true (AdamW state in host memory)")
+    if p.zero_stage == 3 and not p.offload_params:
+        steps.append("parallel.offload_params=true (parameters in host memory)")
+    steps.append("more GPUs with parallel.sp_degree (each rank holds seq_len / sp_degree tokens per layer), "
+                 f"or a shorter train.seq_len (now {cfg.train.seq_len})")
+    return (f"out of device memory at train.seq_len={cfg.train.seq_len}. Memory options this run does not use yet:\n  - "
+            + "\n  - ".join(steps) + "\n(docs/trainer.md, 'Memory for long sequences')")

@@ -165,3 +165,35 @@ def test_offload_and_tiles_lower_cuda_memory():
     assert stats["plain"][0] - stats["offload"][0] >= 0.9 * layer_inputs, stats
     mlp_acts = 3 * T * cfg.intermediate_size * 2  # gate, up and their product of one layer, at least
     assert stats["plain"][1] - stats["tiles"][1] >= 0.8 * mlp_acts, stats
+
+
+def test_out_of_memory_names_the_options_the_run_does_not_use(monkeypatch):
+    """The CLI re-raises a CUDA OOM with the memory options this run has not turned on."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from msa_train import cli
+    from msa_train.trainer import Trainer
+    from tests.msa_train._util import REPO
+
+    def oom(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB.")
+
+    monkeypatch.setattr(Trainer, "__init__", lambda self, cfg: None)
+    monkeypatch.setattr(Trainer, "run", oom)
+    cli.register_all()
+    for overrides, named, not_named in [
+        (["train.seq_len=4096"], ["activation_checkpointing=true", "tile_tokens=32768",
+                                  "offload_activations=true", "parallel=zero2 parallel.offload_optimizer=true",
+                                  "sp_degree", "now 4096"], []),
+        (["parallel=zero3", "parallel.tile_tokens=8192", "parallel.offload_activations=true"],
+         ["parallel.offload_optimizer=true", "parallel.offload_params=true", "sp_degree"],
+         ["activation_checkpointing", "tile_tokens=", "offload_activations"]),
+    ]:
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+        with pytest.raises(torch.OutOfMemoryError) as err:
+            cli.run(cfg)
+        text = str(err.value)
+        assert text.startswith("CUDA out of memory. Tried to allocate 14.00 GiB.")
+        assert all(s in text for s in named) and not any(s in text for s in not_named), text

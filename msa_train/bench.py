@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_point(recipe: str, attention: str, seq_len: int, steps: int, extra: List[str], workdir: Path,
-              timeout: int) -> Dict:
+              timeout: int, nproc: int = 1) -> Dict:
     out_dir = workdir / f"{attention}_{seq_len}"
     args = [f"recipe={recipe}", f"attention={attention}", f"train.seq_len={seq_len}", f"train.steps={steps}",
             f"train.output_dir={out_dir}", "train.save_final=false", "train.save_hf=false",
@@ -36,8 +36,13 @@ def run_point(recipe: str, attention: str, seq_len: int, steps: int, extra: List
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), env.get("PYTHONPATH", "")])
     env["HYDRA_FULL_ERROR"] = "1"  # the error's own last line, not Hydra's hint
     point = {"attention": attention, "seq_len": seq_len, "steps": steps, "ok": False}
+    launcher = [sys.executable]
+    if nproc > 1:  # one process per GPU of this host, e.g. for parallel.sp_degree
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                     "--master-port", str(_free_port())]
+        point["nproc"] = nproc
     try:
-        proc = subprocess.run([sys.executable, "-m", "msa_train.cli", *args], env=env, capture_output=True,
+        proc = subprocess.run([*launcher, "-m", "msa_train.cli", *args], env=env, capture_output=True,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired:  # recorded like any failed point; the others still run
         point["error"] = f"timeout after {timeout} s"
@@ -60,6 +65,14 @@ def _oom(stderr: str) -> Optional[str]:
     asked = re.findall(r"Tried to allocate ([\d.]+ [KMGT]iB)", tail)
     free = re.findall(r"of which ([\d.]+ [KMGT]iB) is free", tail)
     return "OOM" + (f" ({asked[-1]} asked, {free[-1]} free)" if asked and free else "")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _error_line(stderr: str) -> str:
@@ -87,7 +100,9 @@ def write_outputs(result: Dict, stem: Path) -> None:
         for T in lens:
             table.setdefault((a, T), missing)
     lines = [f"# End-to-end training throughput: recipe `{result['recipe']}` on {result['device']}", "",
-             "tokens/s per device (mean after warmup); speedup = tokens/s / attention=full at the same length.", "",
+             ("tokens/s per device" if result.get("nproc", 1) == 1 else
+              f"tokens/s of the whole run on {result['nproc']} processes") +
+             " (mean after warmup); speedup = tokens/s / attention=full at the same length.", "",
              "| seq_len | " + " | ".join(f"{a} tok/s" for a in atts) + " | " +
              " | ".join(f"{a} speedup" for a in atts if a != "full") + " |",
              "|---" * (1 + len(atts) + len([a for a in atts if a != "full"])) + "|"]
@@ -141,6 +156,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from the mean")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per point")
+    p.add_argument("--nproc", type=int, default=1, help="processes per point (torchrun on this host), e.g. for "
+                   "parallel.sp_degree; tokens/s is then the whole run's")
     p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/e2e_<recipe>_<device>)")
     args = p.parse_args(argv)
     import torch
@@ -151,12 +168,12 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     lens = [int(x) for x in args.seq_lens.split(",")]
     points = []
     result = {"recipe": args.recipe, "device": device, "attention": atts, "seq_lens": lens, "steps": args.steps,
-              "warmup": args.warmup, "extra_overrides": extra, "points": points}
+              "warmup": args.warmup, "nproc": args.nproc, "extra_overrides": extra, "points": points}
     stem = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"e2e_{args.recipe}_{tag}"
     with tempfile.TemporaryDirectory() as tmp:
         for T in lens:
             for a in atts:
-                point = run_point(args.recipe, a, T, args.steps, extra, Path(tmp), args.timeout)
+                point = run_point(args.recipe, a, T, args.steps, extra, Path(tmp), args.timeout, args.nproc)
                 point["tokens_per_s"] = summarise(point, args.warmup)
                 point.pop("records", None)
                 points.append(point)

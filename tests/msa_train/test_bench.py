@@ -45,3 +45,16 @@ def test_failed_and_timed_out_points_are_recorded(tmp_path):
     assert not bad["ok"] and isinstance(bad["error"], str) and "sparse" in bad["error"], bad
     slow = run_point("tiny", "full", 256, 2, [], tmp_path, timeout=1)  # killed before it trains
     assert slow == {"attention": "full", "seq_len": 256, "steps": 2, "ok": False, "error": "timeout after 1 s"}
+
+
+def test_a_point_on_two_processes_with_sequence_parallelism(tmp_path):
+    """--nproc 2: the point runs under torchrun (gloo on CPU), here one sequence over both ranks."""
+    from msa_train.bench import run_point
+
+    point = run_point("tiny", "full", 256, 2, ["parallel.sp_degree=2", "data.num_docs=8"], tmp_path, timeout=240,
+                      nproc=2)
+    assert point["ok"] and point["nproc"] == 2, point.get("error")
+    assert point["summary"]["world_size"] == 2 and [r["step"] for r in point["records"]] == [1, 2]
+    write_outputs({"recipe": "tiny", "device": "cpu", "attention": ["full"], "seq_lens": [256], "nproc": 2,
+                   "points": [point | {"tokens_per_s": 1.0}]}, tmp_path / "e2e")
+    assert "tokens/s of the whole run on 2 processes" in (tmp_path / "e2e.md").read_text()

@@ -4,7 +4,8 @@
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
 #   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e longest nsa selected variants ncu
 # (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
-# longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_TIMEOUT and LONG_POINT_TIMEOUT)
+# longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
+# on two GPUs: LONG_NPROC=2 LONG_LENS=2097152 LONG_OPTS="parallel.sp_degree=2 parallel.offload_activations=true ...")
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, the carried wheels, PYTHONPATH
 stages=${*:-tests tiny e2e nsa}
@@ -28,7 +29,7 @@ for stage in $stages; do
     longest)  # the longest sequences that train: Llama3-8B layer shapes (4 layers), 2 steps per point,
               # with the memory options (host-held layer inputs, tiled MLPs and norms, host optimizer state)
       timeout "${LONG_TIMEOUT:-560}" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "${LONG_ATTN:-fmsa}" \
-        --seq-lens "${LONG_LENS:-524288,1048576}" --steps 2 --warmup 1 --timeout "${LONG_POINT_TIMEOUT:-400}" \
+        --seq-lens "${LONG_LENS:-524288,1048576}" --steps 2 --warmup 1 --timeout "${LONG_POINT_TIMEOUT:-400}" --nproc "${LONG_NPROC:-1}" \
         --out "$OUT/long_llama3_8b_4layers_h200${LONG_TAG:-}" -- model.hf_config.num_hidden_layers=4 \
         ${LONG_OPTS-parallel.offload_activations=true parallel.tile_tokens=32768 parallel.offload_optimizer=true} \
         2>&1 | tail -20 | tee "$OUT/longest${LONG_TAG:-}.log" ;;

@@ -81,7 +81,7 @@ def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     tiles = min(x.shape[-2], _tiles(x, self.tile_tokens))  # TiledMLP splits dim -2 (T), B rows per tile
     if tiles <= 1 or not torch.is_grad_enabled():
-        return type(self).forward(self, x)
+        return _plain_mlp(self, x)
     return TiledMLP.apply(_plain_mlp, self, x, tiles, list(self.parameters()))
 
 
@@ -141,10 +141,9 @@ def out_of_memory_hint(cfg) -> str:
         steps.append("parallel.tile_tokens=32768 (MLPs and norms keep only their inputs)")
     if not p.offload_activations:
         steps.append("parallel.offload_activations=true (the layers' inputs in host memory; needs checkpointing)")
-    if p.zero_stage == 0:
-        steps.append("parallel=zero2 parallel.offload_optimizer=true (AdamW state in host memory)")
-    elif not p.offload_optimizer:
-        steps.append("parallel.offload_optimizer=true (AdamW state in host memory)")
+    if not p.offload_optimizer:  # needs ZeRO >= 1
+        steps.append(("parallel=zero2 " if p.zero_stage == 0 else "")
+                     + "parallel.offload_optimizer=true (AdamW state in host memory)")
     if p.zero_stage == 3 and not p.offload_params:
         steps.append("parallel.offload_params=true (parameters in host memory)")
     steps.append("more GPUs with parallel.sp_degree (each rank holds seq_len / sp_degree tokens per layer), "

@@ -90,6 +90,19 @@ def summarise(point: Dict, warmup: int) -> Optional[float]:
     return sum(timed) / len(timed)
 
 
+PHASES = ("forward_s", "backward_s", "step_s")
+
+
+def phase_means(point: Dict, warmup: int) -> Optional[Dict[str, float]]:
+    """Seconds per step of each phase (records from ``train.phase_times=true``), mean after warmup."""
+    records = [r for r in point.get("records", []) if all(k in r for k in PHASES)]
+    timed = [r for r in records if r["step"] > warmup] or records
+    if not timed:
+        return None
+    steps = sum(r["step"] - prev for r, prev in zip(records, [0] + [r["step"] for r in records]) if r in timed)
+    return {k: sum(r[k] for r in timed) / steps for k in PHASES}
+
+
 def write_outputs(result: Dict, stem: Path) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
@@ -103,21 +116,27 @@ def write_outputs(result: Dict, stem: Path) -> None:
              ("tokens/s per device" if result.get("nproc", 1) == 1 else
               f"tokens/s of the whole run on {result['nproc']} processes") +
              " (mean after warmup); speedup = tokens/s / attention=full at the same length.", "",
-             "| seq_len | " + " | ".join(f"{a} tok/s" for a in atts) + " | " +
-             " | ".join(f"{a} speedup" for a in atts if a != "full") + " |",
+             "| " + " | ".join(["seq_len", *(f"{a} tok/s" for a in atts),
+                               *(f"{a} speedup" for a in atts if a != "full")]) + " |",
              "|---" * (1 + len(atts) + len([a for a in atts if a != "full"])) + "|"]
     for T in lens:
         tps = {a: table[(a, T)].get("tokens_per_s") for a in atts}
         cells = [f"{tps[a]:,.0f}" if tps[a] else table[(a, T)].get("error", "failed") for a in atts]
         base = tps.get("full")
         speed = [f"{tps[a] / base:.2f}x" if (tps[a] and base) else "-" for a in atts if a != "full"]
-        lines.append(f"| {T:,} | " + " | ".join(map(str, cells)) + " | " + " | ".join(speed) + " |")
+        lines.append("| " + " | ".join([f"{T:,}", *map(str, cells), *speed]) + " |")
     peaks = {key: p.get("peak_memory_gb") for key, p in table.items()}
     if any(peaks.values()):
         lines += ["", "Peak device memory (GiB, torch.cuda.max_memory_allocated) of each point:", "",
                   "| seq_len | " + " | ".join(atts) + " |", "|---" * (1 + len(atts)) + "|"]
         lines += [f"| {T:,} | " + " | ".join(f"{peaks[(a, T)]:.1f}" if peaks.get((a, T)) else "-" for a in atts) + " |"
                   for T in lens]
+    phases = {key: p.get("phase_s") for key, p in table.items() if p.get("phase_s")}
+    if phases:
+        lines += ["", "Seconds per step by phase (`train.phase_times=true`: a device sync around each phase):", "",
+                  "| attention | seq_len | forward | backward | optimizer step |", "|---|---|---|---|---|"]
+        lines += [f"| {a} | {T:,} | " + " | ".join(f"{ph[k]:.2f}" for k in PHASES) + " |"
+                  for (a, T), ph in sorted(phases.items(), key=lambda kv: (kv[0][1], atts.index(kv[0][0])))]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -137,7 +156,8 @@ def write_outputs(result: Dict, stem: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length")
         ax.set_title(title)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # no speedup lines when attention=full ran alone
+            ax.legend()
     fig.suptitle(f"{result['recipe']} on {result['device']}")
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=120)
@@ -175,6 +195,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
             for a in atts:
                 point = run_point(args.recipe, a, T, args.steps, extra, Path(tmp), args.timeout, args.nproc)
                 point["tokens_per_s"] = summarise(point, args.warmup)
+                if phase_means(point, args.warmup):
+                    point["phase_s"] = phase_means(point, args.warmup)
                 point.pop("records", None)
                 points.append(point)
                 print(f"{a:>5} T={T:>8}: " + (f"{point['tokens_per_s']:,.0f} tok/s" if point["tokens_per_s"]

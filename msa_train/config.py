@@ -124,6 +124,7 @@ class TrainConfig:
     resume: str = "none"                 # none | auto | path to a checkpoint dir
     peak_tflops: Optional[float] = None  # per device, for MFU; None = known GPU table, CPU -> no MFU
     progress: bool = True                # rich progress bar on rank 0
+    phase_times: bool = False            # records get forward_s / backward_s / step_s (3 host syncs per micro step)
     objective: str = "lm"                # lm (next-token loss: pretraining, SFT) | dpo (preference pairs)
     dpo_beta: float = 0.1                # DPO's beta: scale of the implicit reward
 

@@ -4,9 +4,11 @@ Only rank 0 writes. Every figure logged to wandb is also in metrics.jsonl, under
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -62,6 +64,39 @@ def format_eval(record: Dict[str, Any]) -> str:
     if by_pos:
         parts.append("by position " + " ".join(f"{k}:{v:.3f}" for k, v in by_pos))
     return "  ".join(parts)
+
+
+class PhaseTimer:
+    """``train.phase_times``: seconds of each phase of a step (forward, backward, optimizer step) summed
+    over the steps since the last log, for finding where a step's time goes (e.g. what host-side
+    optimizer state costs). Each phase starts and ends with a device synchronisation, so the times
+    are exact but the steps lose whatever overlap the host had with the device; off by default."""
+
+    NAMES = ("forward", "backward", "step")
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.enabled = enabled
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self._sums = dict.fromkeys(self.NAMES, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        self._sync()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        self._sums[name] += time.perf_counter() - t0
+
+    def take(self) -> Dict[str, float]:
+        """The sums as ``{name}_s`` record entries (none when off), and a fresh start."""
+        if not self.enabled:
+            return {}
+        out = {f"{name}_s": value for name, value in self._sums.items()}
+        self._sums = dict.fromkeys(self.NAMES, 0.0)
+        return out
 
 
 class MetricsLogger:

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from msa_train.checkpoint import CheckpointManager, swap_in
 from msa_train.config import RootConfig
 from msa_train.loss import IGNORE_INDEX
-from msa_train.metrics import MetricsLogger, model_flops_per_token, peak_memory_gb, peak_tflops
+from msa_train.metrics import MetricsLogger, PhaseTimer, model_flops_per_token, peak_memory_gb, peak_tflops
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,7 @@ class Trainer:
         cfg = self.cfg
         cfg_dict = dataclasses.asdict(cfg)
         self.peak_tflops = peak_tflops(self.device, cfg.train.peak_tflops)
+        self._phases = PhaseTimer(self.device, cfg.train.phase_times)
         if cfg.eval.only:  # leaves the run directory's config and metrics alone: eval.json only
             self.logger = None
             return
@@ -443,18 +444,22 @@ class Trainer:
         from flash_msa import trusted_inputs
 
         sums, grad_norm = None, None
+        phase = self._phases.phase
         for i, m in enumerate(micro):
             # cu_seqlens was validated on the host: skip flash_msa's per-layer value checks (a host
             # sync each) in the forward and in the backward, whose activation checkpointing re-runs it.
             with trusted_inputs():
-                loss, stats = loss_of(m)
+                with phase("forward"):
+                    loss, stats = loss_of(m)
                 # 3. backward, 4. step (DeepSpeed steps the optimizer and LR at the accumulation boundary).
-                self.engine.backward(loss)
+                with phase("backward"):
+                    self.engine.backward(loss)
             if i == len(micro) - 1 and self.cfg.parallel.zero_stage == 0:
                 # ZeRO 1-3 report the pre-clip norm themselves; stage 0 does not, so take it here,
                 # after the boundary all-reduce and before the clipping step (a device tensor).
                 grad_norm = _grad_norm(self.module)
-            self.engine.step()
+            with phase("step"):
+                self.engine.step()
             sums = stats if sums is None else sums + stats
         return sums, grad_norm
 
@@ -561,7 +566,7 @@ class Trainer:
                   "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "document_tokens_per_s": document_tokens_per_s, "mfu": mfu,
                   "peak_memory_gb": peak_memory_gb(self.device), "tokens_seen": self.tokens_seen,
-                  "elapsed_s": time.perf_counter() - self._t0, **extra}
+                  "elapsed_s": time.perf_counter() - self._t0, **extra, **self._phases.take()}
         self.logger.log(record)
         return record
 

@@ -2,9 +2,10 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e longest nsa selected variants ncu
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e longest phases nsa selected variants ncu
 # (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
 # longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
+# phases reads PHASE_LEN, PHASE_SETS and PHASE_TIMEOUT;
 # on two GPUs: LONG_NPROC=2 LONG_LENS=2097152 LONG_OPTS="parallel.sp_degree=2 parallel.offload_activations=true ...")
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, the carried wheels, PYTHONPATH
@@ -33,6 +34,20 @@ for stage in $stages; do
         --out "$OUT/long_llama3_8b_4layers_h200${LONG_TAG:-}" -- model.hf_config.num_hidden_layers=4 \
         ${LONG_OPTS-parallel.offload_activations=true parallel.tile_tokens=32768 parallel.offload_optimizer=true} \
         2>&1 | tail -20 | tee "$OUT/longest${LONG_TAG:-}.log" ;;
+    phases)  # where a long step's time goes (train.phase_times): Llama3-8B layer shapes (4 layers) at
+             # PHASE_LEN tokens, one point per memory-option set NAME:ATTENTION:OVERRIDES (space-separated)
+      opts="parallel.offload_activations=true parallel.tile_tokens=32768"
+      sets=${PHASE_SETS:-"plain:fmsa: tile:fmsa:parallel.tile_tokens=32768 act_tile:fmsa,full:$opts
+        all:fmsa:$opts parallel.offload_optimizer=true all_cpu_adam:fmsa:$opts parallel.offload_optimizer=true parallel.optimizer=deepspeed"}
+      start=$SECONDS
+      while IFS=: read -r name attn overrides; do
+        [ -z "$name" ] && continue
+        left=$(( ${PHASE_TIMEOUT:-560} - (SECONDS - start) ))
+        [ "$left" -lt 60 ] && { echo "phases: $name not run (time)"; continue; }
+        timeout "$left" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "$attn" --seq-lens "${PHASE_LEN:-262144}" \
+          --steps 2 --warmup 1 --timeout "$left" --out "$OUT/phases_llama3_8b_4layers_h200_$name" \
+          -- model.hf_config.num_hidden_layers=4 train.phase_times=true $overrides 2>&1 | grep -v "^$" | tail -12
+      done < <(echo $sets | sed -E 's/ ([a-z_]+:[a-z,]+:)/\n\1/g') 2>&1 | tee "$OUT/phases.log" ;;
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)
       timeout 300 python3 scripts/bench_nsa.py --out "$OUT" --Ts 8192,32768,65536,131072,262144,524288 \
         --models llama3_8b,qwen3_14b --qwen-Ts 65536,262144 \

@@ -58,3 +58,29 @@ def test_a_point_on_two_processes_with_sequence_parallelism(tmp_path):
     write_outputs({"recipe": "tiny", "device": "cpu", "attention": ["full"], "seq_lens": [256], "nproc": 2,
                    "points": [point | {"tokens_per_s": 1.0}]}, tmp_path / "e2e")
     assert "tokens/s of the whole run on 2 processes" in (tmp_path / "e2e.md").read_text()
+
+
+def test_phase_seconds_per_step_after_warmup(tmp_path):
+    """Records of train.phase_times=true (sums since the last record) become seconds per step."""
+    from msa_train.bench import phase_means
+
+    rec = lambda step, f, b, s: {"step": step, "forward_s": f, "backward_s": b, "step_s": s}  # noqa: E731
+    every_step = {"ok": True, "records": [rec(1, 9.0, 9.0, 9.0), rec(2, 1.0, 2.0, 3.0), rec(3, 3.0, 4.0, 5.0)]}
+    assert phase_means(every_step, warmup=1) == {"forward_s": 2.0, "backward_s": 3.0, "step_s": 4.0}
+    every_other = {"ok": True, "records": [rec(2, 9.0, 9.0, 9.0), rec(4, 2.0, 4.0, 6.0)]}  # log_every=2
+    assert phase_means(every_other, warmup=2) == {"forward_s": 1.0, "backward_s": 2.0, "step_s": 3.0}
+    assert phase_means({"ok": True, "records": [{"step": 1}]}, warmup=0) is None
+    result = {"recipe": "tiny", "device": "cpu", "attention": ["full", "fmsa"], "seq_lens": [512],
+              "points": [{"attention": "fmsa", "seq_len": 512, "tokens_per_s": 2.0, "ok": True,
+                          "phase_s": phase_means(every_step, warmup=1)},
+                         {"attention": "full", "seq_len": 512, "tokens_per_s": 1.0, "ok": True}]}
+    write_outputs(result, tmp_path / "e2e")
+    assert "| fmsa | 512 | 2.00 | 3.00 | 4.00 |" in (tmp_path / "e2e.md").read_text()
+
+
+def test_bench_report_of_full_attention_alone(tmp_path):
+    result = {"recipe": "tiny", "device": "cpu", "attention": ["full"], "seq_lens": [512],
+              "points": [{"attention": "full", "seq_len": 512, "tokens_per_s": 1000.0, "ok": True}]}
+    write_outputs(result, tmp_path / "e2e")
+    md = (tmp_path / "e2e.md").read_text()
+    assert "| seq_len | full tok/s |\n|---|---|\n| 512 | 1,000 |\n" in md

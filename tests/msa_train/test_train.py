@@ -43,6 +43,22 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
         assert a["lr"] == pytest.approx(b["lr"], abs=1e-12)
 
 
+def test_phase_times_split_each_logged_interval(tmp_path):
+    common = ["attention=full", "train.steps=4", "train.grad_accum=2", "train.log_every=2", "train.save_final=false", *FAST]
+    _, records = train([*common, "train.phase_times=true", f"train.output_dir={tmp_path / 'a'}"])
+    assert [r["step"] for r in records] == [2, 4]
+    previous = 0.0
+    for r in records:
+        phases = [r["forward_s"], r["backward_s"], r["step_s"]]
+        assert all(p > 0 for p in phases), r
+        interval = r["elapsed_s"] - previous  # two steps of 2 micro steps each, plus the loop's own work
+        assert sum(phases) <= interval, (phases, interval)
+        previous = r["elapsed_s"]
+    _, plain = train([*common, f"train.output_dir={tmp_path / 'b'}"])
+    assert not {"forward_s", "backward_s", "step_s"} & set(plain[0])
+    assert [r["loss"] for r in plain] == [r["loss"] for r in records]  # timing changes nothing computed
+
+
 def test_resume_refuses_a_checkpoint_of_a_differently_configured_run(tmp_path):
     common = ["attention=full", "train.steps=4", "train.save_every=2", f"train.output_dir={tmp_path}", *FAST]
     train(common, stop_after=2)

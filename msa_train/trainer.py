@@ -193,6 +193,12 @@ class Trainer:
     def _build_optimizer(self) -> None:
         from msa_train.parallel import build_engine
 
+        p = self.cfg.parallel
+        if p.offload_optimizer and p.optimizer == "torch" and self.device.type == "cuda" and self.dist.is_main:
+            log.warning("parallel.offload_optimizer=true with parallel.optimizer=torch: torch's AdamW steps the "
+                        "host-held state slowly (about 4 s a step for 2B parameters on 16 cores, against 0.83 s "
+                        "for DeepSpeed's cpu_adam: benchmarks/results/phases_llama3_8b_4layers_h200.md); "
+                        "parallel.optimizer=deepspeed selects cpu_adam (JIT-built on first use, needs a compiler)")
         self.engine, self.optimizer, self.lr_scheduler = build_engine(self.module, self.ds_config)
         # DeepSpeed's WarmupCosineLR starts at iteration -1, i.e. lr = 0 for the first step; start
         # it at iteration 0 so every step trains (the engine steps it after each optimizer step).

@@ -143,7 +143,8 @@ def out_of_memory_hint(cfg) -> str:
         steps.append("parallel.offload_activations=true (the layers' inputs in host memory; needs checkpointing)")
     if not p.offload_optimizer:  # needs ZeRO >= 1
         steps.append(("parallel=zero2 " if p.zero_stage == 0 else "")
-                     + "parallel.offload_optimizer=true (AdamW state in host memory)")
+                     + "parallel.offload_optimizer=true parallel.optimizer=deepspeed "
+                       "(AdamW state in host memory, stepped by cpu_adam)")
     if p.zero_stage == 3 and not p.offload_params:
         steps.append("parallel.offload_params=true (parameters in host memory)")
     steps.append("more GPUs with parallel.sp_degree (each rank holds seq_len / sp_degree tokens per layer), "

@@ -184,7 +184,7 @@ def test_out_of_memory_names_the_options_the_run_does_not_use(monkeypatch):
     cli.register_all()
     for overrides, named, not_named in [
         (["train.seq_len=4096"], ["activation_checkpointing=true", "tile_tokens=32768",
-                                  "offload_activations=true", "parallel=zero2 parallel.offload_optimizer=true",
+                                  "offload_activations=true", "parallel=zero2 parallel.offload_optimizer=true parallel.optimizer=deepspeed",
                                   "sp_degree", "now 4096"], []),
         (["parallel=zero3", "parallel.tile_tokens=8192", "parallel.offload_activations=true"],
          ["parallel.offload_optimizer=true", "parallel.offload_params=true", "sp_degree"],

@@ -10,12 +10,13 @@ modules. Launchers (torchrun, deepspeed, accelerate launch) only set environment
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Dict
 
 import torch.nn as nn
 
-from msa_train.parallel.memory import offloaded_checkpoint, tile_token_layers
+from msa_train.parallel.memory import layer_checkpoint, tile_token_layers
 
 
 class ModelInitContext:
@@ -67,13 +68,12 @@ def parallelize(model: nn.Module, *, activation_checkpointing: bool, zero_stage:
         raise ValueError("offload_activations offloads the checkpointed layers' inputs: it needs activation_checkpointing")
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if offload_activations:
-            layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
-                      and hasattr(m, "_gradient_checkpointing_func")]
-            if not layers:
-                raise ValueError("parallel.offload_activations: the model has no checkpointed layers to offload")
-            for layer in layers:
-                layer._gradient_checkpointing_func = offloaded_checkpoint
+        layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
+                  and hasattr(m, "_gradient_checkpointing_func")]
+        if offload_activations and not layers:
+            raise ValueError("parallel.offload_activations: the model has no checkpointed layers to offload")
+        for layer in layers:  # HF's non-reentrant checkpoint, marking its recompute (memory.layer_checkpoint)
+            layer._gradient_checkpointing_func = functools.partial(layer_checkpoint, offload=offload_activations)
     if tile_tokens:
         tile_token_layers(model, tile_tokens)
     model.config.use_cache = False

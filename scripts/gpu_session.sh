@@ -46,8 +46,8 @@ for stage in $stages; do
         [ "$left" -lt 60 ] && { echo "phases: $name not run (time)"; continue; }
         timeout "$left" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "$attn" --seq-lens "${PHASE_LEN:-262144}" \
           --steps 2 --warmup 1 --timeout "$left" --out "$OUT/phases_llama3_8b_4layers_h200_$name" \
-          -- model.hf_config.num_hidden_layers=4 train.phase_times=true $overrides 2>&1 | grep -v "^$" | tail -12
-      done < <(echo $sets | sed -E 's/ ([a-z_]+:[a-z,]+:)/\n\1/g') 2>&1 | tee "$OUT/phases.log" ;;
+          -- model.hf_config.num_hidden_layers=4 train.phase_times=true $overrides < /dev/null 2>&1 | grep -v "^$" | tail -12
+      done < <(echo $sets | sed -E 's/ ([a-z0-9_]+:[a-z,]+:)/\n\1/g') 2>&1 | tee "$OUT/phases.log" ;;
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)
       timeout 300 python3 scripts/bench_nsa.py --out "$OUT" --Ts 8192,32768,65536,131072,262144,524288 \
         --models llama3_8b,qwen3_14b --qwen-Ts 65536,262144 \

@@ -106,8 +106,18 @@ def _plain_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 MLP_LAST_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
 
 
-def _unused_output(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+class _SavedInputOnly(torch.autograd.Function):
+    """What TiledMLP saves (its input, and nothing else) without its forward: its stand-in in a
+    checkpoint's recompute, where only the saved tensors are kept (the recompute's graph is dropped)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.empty_like(x)  # never read: see _tiled_mlp_forward
+
+    @staticmethod
+    def backward(ctx, dy):
+        raise RuntimeError("internal: the recompute's stand-in for the tiled MLP was differentiated")
 
 
 def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -119,9 +129,11 @@ def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # In a checkpoint's recompute the layer runs only to save its tensors again; TiledMLP saves its
     # input and nothing else, and its backward recomputes each tile itself. So its output there is never
     # read (the layer's output is dropped, and the residual add after the MLP saves nothing): the same
-    # save without the MLP's forward (one forward of the MLP less per step, measured 12% of a step at 256K).
-    fn = _unused_output if _RECOMPUTING.get() and getattr(self, "skip_in_recompute", False) else _plain_mlp
-    return TiledMLP.apply(fn, self, x, tiles, list(self.parameters()))
+    # save without the MLP's forward: one MLP forward less per layer and step (4 layers of Llama-3-8B
+    # shape at 256K: backward 6.59 -> 5.98 s, benchmarks/results/phases_llama3_8b_4layers_h200.md).
+    if _RECOMPUTING.get() and getattr(self, "skip_in_recompute", False):
+        return _SavedInputOnly.apply(x)
+    return TiledMLP.apply(_plain_mlp, self, x, tiles, list(self.parameters()))
 
 
 def _recomputed_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

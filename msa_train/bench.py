@@ -94,7 +94,9 @@ PHASES = ("forward_s", "backward_s", "step_s")
 
 
 def phase_means(point: Dict, warmup: int) -> Optional[Dict[str, float]]:
-    """Seconds per step of each phase (records from ``train.phase_times=true``), mean after warmup."""
+    """Seconds per step of each phase (records from ``train.phase_times=true``), mean after warmup.
+    A record's sums cover the steps since the record before it (the first: since step 0, as in the
+    fresh runs this benchmark starts)."""
     records = [r for r in point.get("records", []) if all(k in r for k in PHASES)]
     timed = [r for r in records if r["step"] > warmup] or records
     if not timed:

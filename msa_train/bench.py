@@ -98,11 +98,12 @@ def phase_means(point: Dict, warmup: int) -> Optional[Dict[str, float]]:
     A record's sums cover the steps since the record before it (the first: since step 0, as in the
     fresh runs this benchmark starts)."""
     records = [r for r in point.get("records", []) if all(k in r for k in PHASES)]
-    timed = [r for r in records if r["step"] > warmup] or records
+    spans = [(r, r["step"] - prev) for r, prev in zip(records, [0] + [r["step"] for r in records])]
+    timed = [(r, n) for r, n in spans if r["step"] > warmup] or spans
     if not timed:
         return None
-    steps = sum(r["step"] - prev for r, prev in zip(records, [0] + [r["step"] for r in records]) if r in timed)
-    return {k: sum(r[k] for r in timed) / steps for k in PHASES}
+    steps = sum(n for _, n in timed)
+    return {k: sum(r[k] for r, _ in timed) / steps for k in PHASES}
 
 
 def write_outputs(result: Dict, stem: Path) -> None:
@@ -197,8 +198,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
             for a in atts:
                 point = run_point(args.recipe, a, T, args.steps, extra, Path(tmp), args.timeout, args.nproc)
                 point["tokens_per_s"] = summarise(point, args.warmup)
-                if phase_means(point, args.warmup):
-                    point["phase_s"] = phase_means(point, args.warmup)
+                phases = phase_means(point, args.warmup)
+                if phases:
+                    point["phase_s"] = phases
                 point.pop("records", None)
                 points.append(point)
                 print(f"{a:>5} T={T:>8}: " + (f"{point['tokens_per_s']:,.0f} tok/s" if point["tokens_per_s"]

@@ -11,6 +11,7 @@ and each norm keep 8 (their bf16 input) and the layer 53, the rest being attenti
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 import types
@@ -49,13 +50,14 @@ def layer_checkpoint(function, *args, offload: bool = False, **kwargs):
         finally:
             _RECOMPUTING.reset(token)
 
-    if not offload:
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
-    if not any(isinstance(a, torch.Tensor) for a in args):  # what save_on_cpu would move: positional inputs only
-        raise RuntimeError("parallel.offload_activations: the checkpointed layer got its hidden states as a keyword "
-                           "argument, which the checkpoint does not save (nothing would be offloaded)")
-    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-    with torch.autograd.graph.save_on_cpu(pin_memory=cuda):  # CPU tensors: packed as they are
+    hooks = contextlib.nullcontext()
+    if offload:
+        if not any(isinstance(a, torch.Tensor) for a in args):  # what save_on_cpu would move: positional inputs only
+            raise RuntimeError("parallel.offload_activations: the checkpointed layer got its hidden states as a "
+                               "keyword argument, which the checkpoint does not save (nothing would be offloaded)")
+        cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        hooks = torch.autograd.graph.save_on_cpu(pin_memory=cuda)  # CPU tensors: packed as they are
+    with hooks:
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
@@ -74,17 +76,16 @@ def tile_token_layers(model: nn.Module, tile_tokens: int) -> tuple[int, int]:
     if tile_tokens < 1:
         raise ValueError(f"parallel.tile_tokens must be >= 1 (0 turns tiling off), got {tile_tokens}")
     layers = getattr(getattr(model, "model", model), "layers", None)
-    mlps = [layer.mlp for layer in (layers or []) if hasattr(layer, "mlp")]
+    with_mlp = [layer for layer in (layers or []) if hasattr(layer, "mlp")]
+    mlps = [layer.mlp for layer in with_mlp]
     norms = [m for m in model.modules()
              if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight")]
     if not mlps:
         raise ValueError(f"parallel.tile_tokens: {type(model).__name__} has no decoder layers with an `mlp`")
-    for layer in layers or []:
-        if hasattr(layer, "mlp"):
-            layer.mlp.skip_in_recompute = type(layer).__name__ in MLP_LAST_LAYERS
-    for mlp in mlps:
-        mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
-        mlp.tile_tokens = tile_tokens
+    for layer in with_mlp:
+        layer.mlp.forward = types.MethodType(_tiled_mlp_forward, layer.mlp)
+        layer.mlp.tile_tokens = tile_tokens
+        layer.mlp.skip_in_recompute = type(layer).__name__ in MLP_LAST_LAYERS
     for norm in norms:
         norm.forward = types.MethodType(_recomputed_norm_forward, norm)
         norm.tile_tokens = tile_tokens
@@ -131,7 +132,7 @@ def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # read (the layer's output is dropped, and the residual add after the MLP saves nothing): the same
     # save without the MLP's forward: one MLP forward less per layer and step (4 layers of Llama-3-8B
     # shape at 256K: backward 6.59 -> 5.98 s, benchmarks/results/phases_llama3_8b_4layers_h200.md).
-    if _RECOMPUTING.get() and getattr(self, "skip_in_recompute", False):
+    if self.skip_in_recompute and _RECOMPUTING.get():
         return _SavedInputOnly.apply(x)
     return TiledMLP.apply(_plain_mlp, self, x, tiles, list(self.parameters()))
 

@@ -213,7 +213,7 @@ def variants(T, G, D, S, bs, device):
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
              "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG",
-             "PARTIAL_BUDGET_PER_TOKEN")
+             "PARTIAL_BUDGET_PER_TOKEN", "MERGE_SG", "MERGE_SG_WARPS", "DQ_SG", "DQ_SG_WARPS")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -241,10 +241,12 @@ def variants(T, G, D, S, bs, device):
     # q and do gathered from a head-major copy, slower: selected_variants13_h200.log (commit 8d05cf2's).
     # The dk/dv kernel in Gluon (transposed scores, async wgmma, gathers in flight), slower:
     # selected_variants14_h200.log (commit 92e0c1c's).
-    budgets = [{"PARTIAL_BUDGET": 384 << 20}, {"PARTIAL_BUDGET": 1536 << 20, "PARTIAL_BUDGET_PER_TOKEN": 24 << 10}]
-    fwd_variants = [{}, *budgets, {}]
-    bwd_variants = [{}, *budgets, {"BWD_BM": 64, "BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4, "SEG_TILES": 128},
-                    {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 2}, {}]
+    # Partition budgets and 64-row backward tiles on 4 warps were the lists before (selected_variants11_h200.log).
+    # Now: the merge and the dq reduction loading the partials of SG slots as one [SG, G, D] tile.
+    merge = [{"MERGE_SG": sg, "MERGE_SG_WARPS": w} for sg, w in ((2, 1), (4, 1), (4, 2), (8, 2), (16, 1), (16, 2), (16, 4))]
+    dq = [{"DQ_SG": sg, "DQ_SG_WARPS": w} for sg, w in ((4, 1), (4, 2), (16, 1), (16, 2), (16, 4))]
+    fwd_variants = [{}, *merge, {}]
+    bwd_variants = [{}, *dq, {}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:
@@ -295,6 +297,58 @@ def variants(T, G, D, S, bs, device):
         kk = (key - (1 << 15)).to(dt) if dt == torch.int16 else key
         ms = triton.testing.do_bench(lambda: torch.sort(kk, stable=True), warmup=5, rep=20, return_mode="median")
         print(f"  stable sort of {key.numel()} {dt} keys < {n_keys}: {ms:.3f} ms", flush=True)
+
+
+def partition_probe(T, G, D, S, bs, device, chunks):
+    """Does a small partition keep the partials in L2? For each chunk size (one KV head per
+    partition): fmsa forward and forward + backward timed by do_bench, the forward also replayed
+    from a CUDA graph (no launch gaps), and the summed kernel times of one forward + backward by
+    torch.profiler, per kernel name."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    HK = 4 if G == 16 else 8
+    q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
+    cu = default_cu_seqlens(1, T, device)
+    ref = None
+    for chunk in chunks:
+        run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5, chunk_size=chunk, heads=1)
+        o = run()
+        got = (o, *torch.autograd.grad(o, (q, k, v), do))
+        ref = ref or got
+        err = max(rel_rms(a, b) for a, b in zip(got, ref))
+        del o, got
+        with torch.no_grad():
+            fwd = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
+            graph = float("nan")
+            try:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    run()
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    run()
+                graph = triton.testing.do_bench(g.replay, warmup=5, rep=20, return_mode="median")
+                del g
+            except Exception as e:  # capture needs no host sync in the forward; report, go on
+                print(f"  chunk {chunk}: graph capture failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+        fb_fn = lambda: run().backward(do)
+        fb = triton.testing.do_bench(fb_fn, warmup=5, rep=20, grad_to_none=[q, k, v], return_mode="median")
+        q.grad = k.grad = v.grad = None  # else the profiled backward adds into them
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            fb_fn()
+            torch.cuda.synchronize()
+        q.grad = k.grad = v.grad = None
+        sums = {}
+        for ev in prof.key_averages():
+            name = ev.key.split("(")[0][:40]
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            sums[name] = (sums.get(name, (0, 0))[0] + t / 1e3, sums.get(name, (0, 0))[1] + ev.count)
+        top = sorted(sums.items(), key=lambda x: -x[1][0])[:8]
+        print(f"partition T={T} G={G} chunk={chunk} heads=1: fwd {fwd:.2f} ms (graph {graph:.2f}), f+b {fb:.2f} ms, "
+              f"max rel RMS vs first {err:.1e}; kernels ms (launches): "
+              + ", ".join(f"{n} {t:.2f} ({c})" for n, (t, c) in top), flush=True)
 
 
 def fmt(x, spec=".2f"):
@@ -379,6 +433,7 @@ def main():
     ap.add_argument("--skip-bwd-over", type=int, default=1 << 30, help="time only the forward above this T")
     ap.add_argument("--profile", default="", help="T,G: print a torch.profiler kernel table of fmsa and nsa fwd+bwd, then exit")
     ap.add_argument("--variants", default="", help="T,G: time fmsa launch-setting variants, then exit")
+    ap.add_argument("--partitions", default="", help="T,G,chunk,chunk,...: the L2 probe of partition sizes, then exit")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core's parallel_nsa at G >= 16")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; stop starting new shapes after it")
     args = ap.parse_args()
@@ -399,7 +454,10 @@ def main():
     if args.variants:
         for tg in args.variants.split(";"):
             variants(*[int(x) for x in tg.split(",")], D, S, bs, device)
-    if args.profile or args.variants:
+    if args.partitions:
+        T, G, *chunks = [int(x) for x in args.partitions.split(",")]
+        partition_probe(T, G, D, S, bs, device, chunks)
+    if args.profile or args.variants or args.partitions:
         return
     checks = {}
     for G in Gs:

@@ -213,7 +213,7 @@ def variants(T, G, D, S, bs, device):
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
              "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG",
-             "PARTIAL_BUDGET_PER_TOKEN", "MERGE_SG", "MERGE_SG_WARPS", "DQ_SG", "DQ_SG_WARPS")
+             "PARTIAL_BUDGET_PER_TOKEN")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -241,12 +241,12 @@ def variants(T, G, D, S, bs, device):
     # q and do gathered from a head-major copy, slower: selected_variants13_h200.log (commit 8d05cf2's).
     # The dk/dv kernel in Gluon (transposed scores, async wgmma, gathers in flight), slower:
     # selected_variants14_h200.log (commit 92e0c1c's).
-    # Partition budgets and 64-row backward tiles on 4 warps were the lists before (selected_variants11_h200.log).
-    # Now: the merge and the dq reduction loading the partials of SG slots as one [SG, G, D] tile.
-    merge = [{"MERGE_SG": sg, "MERGE_SG_WARPS": w} for sg, w in ((2, 1), (4, 1), (4, 2), (8, 2), (16, 1), (16, 2), (16, 4))]
-    dq = [{"DQ_SG": sg, "DQ_SG_WARPS": w} for sg, w in ((4, 1), (4, 2), (16, 1), (16, 2), (16, 4))]
-    fwd_variants = [{}, *merge, {}]
-    bwd_variants = [{}, *dq, {}]
+    # The merge and the dq reduction loading SG slots' partials as one [SG, G, D] tile, no faster:
+    # selected_variants15_h200.log (commit 659e607's variants; the merge runs at the DRAM roof).
+    budgets = [{"PARTIAL_BUDGET": 384 << 20}, {"PARTIAL_BUDGET": 1536 << 20, "PARTIAL_BUDGET_PER_TOKEN": 24 << 10}]
+    fwd_variants = [{}, *budgets, {}]
+    bwd_variants = [{}, *budgets, {"BWD_BM": 64, "BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4, "SEG_TILES": 128},
+                    {"BWD_BM": 64, "BWD_WARPS": 4, "BWD_STAGES": 2}, {}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

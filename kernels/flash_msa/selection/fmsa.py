@@ -194,89 +194,6 @@ def fmsa_merge_kernel(
 
 
 @triton.jit
-def fmsa_merge_grouped_kernel(
-    po, plse, o, lse, block_indices, tok_start, c0, hk0, T,
-    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr, HKG: tl.constexpr, LOCAL: tl.constexpr,
-    SG: tl.constexpr,
-):
-    # fmsa_merge_kernel with the partials of SG slots loaded as one [SG, BG, D] tile (variant)
-    i_t = c0 + tl.program_id(0).to(tl.int64)
-    i_hk = hk0 + tl.program_id(1)
-    if i_t >= T:
-        return
-    own = (i_t - tl.load(tok_start + i_t)) // BS
-    o_g = tl.arange(0, BG)
-    m_g = o_g < G
-    o_d = tl.arange(0, D)
-    o_s = tl.arange(0, BSS)
-    p_idx = block_indices + (i_t * HK + i_hk) * S
-    b_idx = tl.load(p_idx + o_s, mask=o_s < S, other=-1)
-    m_sv = (b_idx >= 0) & (b_idx <= own - LOCAL)
-    o_row = ((i_t - c0) * HKG + tl.program_id(1)) * S
-    b_lse = tl.load(plse + (o_row + o_s)[:, None] * G + o_g[None, :], mask=m_sv[:, None] & m_g[None, :],
-                    other=float("-inf"))
-    b_m = tl.max(b_lse, 0)  # [BG]
-    o_h = i_t * HQ + i_hk * G + o_g
-    if LOCAL > 0:
-        b_lloc = tl.load(lse + o_h, mask=m_g, other=0.)
-        b_m = tl.maximum(b_m, b_lloc)
-    b_ok = b_m > float("-inf")
-    b_m = tl.where(b_ok, b_m, 0.)
-    b_l = tl.sum(tl.exp2(b_lse - b_m[None, :]), 0)
-    b_acc = tl.zeros([BG, D], dtype=tl.float32)
-    if LOCAL > 0:
-        b_wl = tl.exp2(b_lloc - b_m)
-        b_l += b_wl
-        b_acc += tl.load(o + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.).to(tl.float32) * b_wl[:, None]
-    o_k = tl.arange(0, SG)
-    for i_j in tl.static_range(BSS // SG):
-        o_sj = i_j * SG + o_k
-        b_iv = tl.load(p_idx + o_sj, mask=o_sj < S, other=-1)
-        m_j = ((b_iv >= 0) & (b_iv <= own - LOCAL))[:, None] & m_g[None, :]  # [SG, BG]
-        o_p = (o_row + o_sj)[:, None] * G + o_g[None, :]
-        b_w = tl.exp2(tl.load(plse + o_p, mask=m_j, other=float("-inf")) - b_m[None, :])
-        b_o = tl.load(po + o_p[:, :, None] * D + o_d[None, None, :], mask=m_j[:, :, None], other=0.)
-        b_acc += tl.sum(b_o.to(tl.float32) * b_w[:, :, None], 0)
-    b_l = tl.where(b_ok, b_l, 1.)
-    tl.store(o + o_h[:, None] * D + o_d[None, :], (b_acc / b_l[:, None]).to(o.dtype.element_ty), mask=m_g[:, None])
-    tl.store(lse + o_h, tl.where(b_ok, b_m + tl.log2(b_l), 0.), mask=m_g)
-
-
-@triton.jit
-def fmsa_bwd_dq_grouped_kernel(
-    dqp, dq, block_indices, tok_start, c0, hk0, T,
-    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr, HKG: tl.constexpr, ACC: tl.constexpr,
-    LOCAL: tl.constexpr, SG: tl.constexpr,
-):
-    # fmsa_bwd_dq_kernel with the dq parts of SG slots loaded as one [SG, BG, D] tile (variant)
-    i_t = c0 + tl.program_id(0).to(tl.int64)
-    i_hk = hk0 + tl.program_id(1)
-    if i_t >= T:
-        return
-    own = (i_t - tl.load(tok_start + i_t)) // BS
-    o_g = tl.arange(0, BG)
-    m_g = o_g < G
-    o_d = tl.arange(0, D)
-    o_row = ((i_t - c0) * HKG + tl.program_id(1)) * S
-    p_idx = block_indices + (i_t * HK + i_hk) * S
-    o_k = tl.arange(0, SG)
-    b_dq = tl.zeros([BG, D], dtype=tl.float32)
-    for i_j in tl.static_range(BSS // SG):
-        o_sj = i_j * SG + o_k
-        b_iv = tl.load(p_idx + o_sj, mask=o_sj < S, other=-1)
-        m_j = ((b_iv >= 0) & (b_iv <= own - LOCAL))[:, None] & m_g[None, :]  # [SG, BG]
-        o_p = (o_row + o_sj)[:, None] * G + o_g[None, :]
-        b_p = tl.load(dqp + o_p[:, :, None] * D + o_d[None, None, :], mask=m_j[:, :, None], other=0.)
-        b_dq += tl.sum(b_p.to(tl.float32), 0)
-    o_h = i_t * HQ + i_hk * G + o_g
-    if ACC:
-        b_dq += tl.load(dq + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.).to(tl.float32)
-    tl.store(dq + o_h[:, None] * D + o_d[None, :], b_dq.to(dq.dtype.element_ty), mask=m_g[:, None])
-
-
-@triton.jit
 def fmsa_bwd_preprocess_kernel(o, do, delta, N, D: tl.constexpr, BR: tl.constexpr):
     # delta = rowsum(o * do) in fp32, without materialising fp32 copies of o and do
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -473,9 +390,6 @@ BWD_MAXNREG = 0
 # (15.21 against 15.48 with one); benchmarks/results/selected_variants5_h200.log. The dq
 # reduction (same shape) measured the same with 1, 2 or 4 warps and keeps the default 4.
 MERGE_WARPS_SMALL_G = 1
-# Variants (0: the per-slot kernels above): slots per [SG, G, D] load of the merge / dq reduction,
-# and their warps
-MERGE_SG, MERGE_SG_WARPS, DQ_SG, DQ_SG_WARPS = 0, 1, 0, 1
 
 
 def _reg_cap(cap: int, x: torch.Tensor) -> dict:
@@ -595,17 +509,10 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG,
             num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
             **_reg_cap(FWD_MAXNREG, q))
-        if MERGE_SG:
-            fmsa_merge_grouped_kernel[(min(Tc, T - c0), HKG)](
-                po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-                BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local,
-                SG=min(MERGE_SG, triton.next_power_of_2(S)), num_warps=MERGE_SG_WARPS)
-        else:
-            fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
-                po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-                BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, num_warps=_merge_warps(G))
+        fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
+            po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
+            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, num_warps=_merge_warps(G))
     return o, lse
 
 
@@ -658,16 +565,9 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             k_lo, NB, n_red, dk, dv, hk0, G=G, D=D, BS=BS, SEG=SEG, HKG=HKG, HK=HK, FINAL=final,
             ADD=dkv is not None, num_warps=8)
         if write_dq:
-            if DQ_SG:
-                fmsa_bwd_dq_grouped_kernel[(min(Tc, T - c0), HKG)](
-                    dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
-                    HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), BSS=triton.next_power_of_2(S),
-                    HKG=HKG, ACC=dq_acc, LOCAL=csr.local, SG=min(DQ_SG, triton.next_power_of_2(S)),
-                    num_warps=DQ_SG_WARPS)
-            else:
-                fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
-                    dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
-                    HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc, LOCAL=csr.local)
+            fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
+                dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
+                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc, LOCAL=csr.local)
     return dk, dv
 
 

@@ -10,22 +10,23 @@ from tests.msa_train._util import FAST, read_metrics, run_cli, train
 
 
 @pytest.mark.parametrize("attention", ["full", "nsa"])
-def test_tiny_recipe_trains_30_steps_with_loss_decreasing(tmp_path, attention):
-    overrides = [f"attention={attention}", "train.steps=30", f"train.output_dir={tmp_path}", *FAST]
+def test_tiny_recipe_trains_20_steps_with_loss_decreasing(tmp_path, attention):
+    # (20 steps: the mean loss of the last three was 2.2 below the first three's with NSA, 1.0 needed)
+    overrides = [f"attention={attention}", "train.steps=20", f"train.output_dir={tmp_path}", *FAST]
     if attention == "full":
         overrides += ["logger=wandb"]  # offline: needs no account
     summary, records = train(overrides)
     losses = [r["loss"] for r in records]
-    assert [r["step"] for r in records] == list(range(1, 31))
+    assert [r["step"] for r in records] == list(range(1, 21))
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 1.0, f"loss did not decrease enough: {first:.3f} -> {last:.3f}"
     for key in ("loss", "tokens_per_s", "mfu", "peak_memory_gb", "lr", "grad_norm"):
         assert key in records[0]
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["lr"] > 0 for r in records)
-    assert summary["steps"] == 30 and summary["final_loss"] == losses[-1]
+    assert summary["steps"] == 20 and summary["final_loss"] == losses[-1]
     assert json.loads((tmp_path / "summary.json").read_text())["attention"] == attention
     assert (tmp_path / "config.json").is_file() and (tmp_path / "deepspeed_config.json").is_file()
-    assert (tmp_path / "checkpoints" / "step_000030" / "COMPLETE").is_file()
+    assert (tmp_path / "checkpoints" / "step_000020" / "COMPLETE").is_file()
     if attention == "full":
         assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb offline run not written"
 

@@ -13,6 +13,7 @@ Writes OUTDIR/selected_h200.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -242,7 +243,7 @@ def variants(T, G, D, S, bs, device):
     # The dk/dv kernel in Gluon (transposed scores, async wgmma, gathers in flight), slower:
     # selected_variants14_h200.log (commit 92e0c1c's).
     # The merge and the dq reduction loading SG slots' partials as one [SG, G, D] tile, no faster:
-    # selected_variants15_h200.log (commit 659e607's variants; the merge runs at the DRAM roof).
+    # selected_variants15_h200.log (commit 659e607's variants; the merge runs near the DRAM copy ceiling).
     budgets = [{"PARTIAL_BUDGET": 384 << 20}, {"PARTIAL_BUDGET": 1536 << 20, "PARTIAL_BUDGET_PER_TOKEN": 24 << 10}]
     fwd_variants = [{}, *budgets, {}]
     bwd_variants = [{}, *budgets, {"BWD_BM": 64, "BWD_WARPS": 4}, {"BWD_BM": 64, "BWD_WARPS": 4, "SEG_TILES": 128},
@@ -340,11 +341,11 @@ def partition_probe(T, G, D, S, bs, device, chunks):
             fb_fn()
             torch.cuda.synchronize()
         q.grad = k.grad = v.grad = None
-        sums = {}
+        sums = collections.defaultdict(lambda: [0.0, 0])  # kernel name (template arguments cut) -> [ms, launches]
         for ev in prof.key_averages():
-            name = ev.key.split("(")[0][:40]
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            sums[name] = (sums.get(name, (0, 0))[0] + t / 1e3, sums.get(name, (0, 0))[1] + ev.count)
+            entry = sums[ev.key.split("(")[0][:40]]
+            entry[0] += (getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)) / 1e3
+            entry[1] += ev.count
         top = sorted(sums.items(), key=lambda x: -x[1][0])[:8]
         print(f"partition T={T} G={G} chunk={chunk} heads=1: fwd {fwd:.2f} ms (graph {graph:.2f}), f+b {fb:.2f} ms, "
               f"max rel RMS vs first {err:.1e}; kernels ms (launches): "

@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from msa_train.metrics import profile_table
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,7 +56,11 @@ def run_point(recipe: str, attention: str, seq_len: int, steps: int, extra: List
         return point
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((out_dir / "summary.json").read_text())
-    return point | {"records": records, "summary": summary, "peak_memory_gb": summary.get("peak_memory_gb")}
+    point |= {"records": records, "summary": summary, "peak_memory_gb": summary.get("peak_memory_gb")}
+    profiles = sorted(out_dir.glob("profile_step*.json"))  # train.profile_step
+    if profiles:
+        point["profile"] = json.loads(profiles[-1].read_text())
+    return point
 
 
 def _oom(stderr: str) -> Optional[str]:
@@ -85,8 +91,8 @@ def _error_line(stderr: str) -> str:
 def summarise(point: Dict, warmup: int) -> Optional[float]:
     if not point.get("ok"):
         return None
-    timed = [r["tokens_per_s"] for r in point["records"] if r["step"] > warmup] or \
-        [r["tokens_per_s"] for r in point["records"]]
+    records = [r for r in point["records"] if not r.get("profiled")] or point["records"]  # profiler time: out
+    timed = [r["tokens_per_s"] for r in records if r["step"] > warmup] or [r["tokens_per_s"] for r in records]
     return sum(timed) / len(timed)
 
 
@@ -99,6 +105,7 @@ def phase_means(point: Dict, warmup: int) -> Optional[Dict[str, float]]:
     fresh runs this benchmark starts)."""
     records = [r for r in point.get("records", []) if all(k in r for k in PHASES)]
     spans = [(r, r["step"] - prev) for r, prev in zip(records, [0] + [r["step"] for r in records])]
+    spans = [(r, n) for r, n in spans if not r.get("profiled")] or spans
     timed = [(r, n) for r, n in spans if r["step"] > warmup] or spans
     if not timed:
         return None
@@ -140,6 +147,13 @@ def write_outputs(result: Dict, stem: Path) -> None:
                   "| attention | seq_len | forward | backward | optimizer step |", "|---|---|---|---|---|"]
         lines += [f"| {a} | {T:,} | " + " | ".join(f"{ph[k]:.2f}" for k in PHASES) + " |"
                   for (a, T), ph in sorted(phases.items(), key=lambda kv: (kv[0][1], atts.index(kv[0][0])))]
+    for (a, T), p in sorted(table.items(), key=lambda kv: (kv[0][1], atts.index(kv[0][0]))):
+        prof = p.get("profile")
+        if not prof:
+            continue
+        lines += ["", f"Device time of {a} at {T:,} tokens, step {prof['step']} under torch.profiler "
+                  f"(`train.profile_step`; wall {prof['wall_s']:.2f} s, kernels {prof['device_ms'] / 1e3:.2f} s):", "",
+                  *profile_table(prof, top=20)]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

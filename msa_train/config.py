@@ -21,6 +21,7 @@ LOGGERS = ("none", "wandb")
 OPTIMIZERS = ("torch", "deepspeed")
 WANDB_MODES = ("offline", "online", "disabled")
 OBJECTIVES = ("lm", "dpo")
+LOSS_IMPLS = ("fused", "recompute")  # msa_train/loss.py
 
 
 def _choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
@@ -115,6 +116,7 @@ class TrainConfig:
     precision: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     device: str = "auto"                 # auto | cpu | cuda
     loss_chunk_tokens: int = 4096        # tokens per chunk of the chunked linear cross-entropy
+    loss_impl: str = "fused"             # fused (gradients taken in the forward) | recompute (msa_train/loss.py)
     output_dir: str = "runs/${recipe_name}"
     log_every: int = 1
     save_every: int = 0                  # optimizer steps between checkpoints; 0 = only at the end
@@ -125,13 +127,14 @@ class TrainConfig:
     peak_tflops: Optional[float] = None  # per device, for MFU; None = known GPU table, CPU -> no MFU
     progress: bool = True                # rich progress bar on rank 0
     phase_times: bool = False            # records get forward_s / backward_s / step_s (3 host syncs per micro step)
+    profile_step: int = 0                # > 0: torch.profiler over that optimizer step -> profile_step<N>.{json,md}
     objective: str = "lm"                # lm (next-token loss: pretraining, SFT) | dpo (preference pairs)
     dpo_beta: float = 0.1                # DPO's beta: scale of the implicit reward
 
     def __post_init__(self):
         for key in ("steps", "seq_len", "grad_accum", "log_every", "loss_chunk_tokens"):
             _at_least(f"train.{key}", getattr(self, key), 1, "an integer >= 1")
-        for key in ("warmup_steps", "save_every", "keep_checkpoints"):
+        for key in ("warmup_steps", "save_every", "keep_checkpoints", "profile_step"):
             _at_least(f"train.{key}", getattr(self, key), 0, "an integer >= 0")
         if not self.lr > 0:
             raise ValueError(f"train.lr={self.lr!r} is not allowed; expected a positive float")
@@ -142,6 +145,7 @@ class TrainConfig:
         _at_least("train.grad_clip", self.grad_clip, 0.0, "a float >= 0 (0 disables clipping)")
         _choice("train.precision", self.precision, PRECISIONS)
         _choice("train.objective", self.objective, OBJECTIVES)
+        _choice("train.loss_impl", self.loss_impl, LOSS_IMPLS)
         if not self.dpo_beta > 0:
             raise ValueError(f"train.dpo_beta={self.dpo_beta!r} is not allowed; expected a positive float")
         _choice("train.device", self.device, DEVICES)

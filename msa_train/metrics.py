@@ -99,6 +99,71 @@ class PhaseTimer:
         return out
 
 
+# Kinds of device time in a profiled step, by kernel name (first match wins). Triton kernels are
+# named by their bare function name; in this trainer they are flash_msa's but for the fused loss's
+# row kernel (msa_train/loss.py). torch's own kernels have demangled C++ names ("void at::native::...").
+_KERNEL_KINDS = (
+    ("copy device<->host", lambda n: "memcpy" in n and ("dtoh" in n or "htod" in n)),
+    ("copy/fill on device", lambda n: "memcpy" in n or "memset" in n),
+    ("dense attention (cuDNN / flash SDPA)", lambda n: any(k in n for k in ("cudnn", "fmha", "flash_fwd", "flash_bwd",
+                                                                           "sdpa"))),
+    ("matmul (cuBLAS)", lambda n: any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "splitk"))),
+    ("collectives (NCCL)", lambda n: "nccl" in n),
+    ("cross-entropy rows (Triton)", lambda n: n.startswith("_ce_rows")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, test in _KERNEL_KINDS:
+        if test(low):
+            return kind
+    if all(c.isalnum() or c == "_" for c in name) and not name[:1].isdigit():
+        return "flash_msa (Triton)"
+    return "other PyTorch kernels (elementwise, reductions, ...)"
+
+
+def profile_summary(prof, step: int, wall_s: float, top: int = 40) -> Dict[str, Any]:
+    """Device time of a ``torch.profiler`` run over one step, by kind (:func:`kernel_kind`) and by
+    kernel (the ``top`` longest), in ms. Kernels of concurrent streams each count in full, so the
+    sum can exceed the wall time."""
+    kernels: Dict[str, list] = {}
+    for ev in prof.key_averages():
+        # GPU-side user annotations (e.g. "Optimizer.step#AdamW.step") span kernels counted already
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0 \
+                and not getattr(ev, "is_user_annotation", False):
+            entry = kernels.setdefault(ev.key, [0.0, 0])
+            entry[0] += ev.device_time_total / 1e3
+            entry[1] += ev.count
+    kinds: Dict[str, float] = {}
+    for name, (ms, _) in kernels.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"step": step, "wall_s": wall_s, "device_ms": sum(kinds.values()),
+            "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "kernels": [{"name": n, "ms": ms, "calls": c, "kind": kernel_kind(n)} for n, (ms, c) in ranked]}
+
+
+def profile_table(summary: Dict[str, Any], top: int = 40) -> list:
+    """Markdown lines of a :func:`profile_summary`: device time by kind, then the longest kernels."""
+    total = summary["device_ms"] or 1.0
+    lines = ["| kind | ms | share |", "|---|---|---|"]
+    lines += [f"| {k} | {ms:.1f} | {ms / total:.1%} |" for k, ms in summary["kinds_ms"].items()]
+    lines += ["", "| kernel | kind | ms | calls |", "|---|---|---|---|"]
+    return lines + [f"| `{k['name'][:90]}` | {k['kind']} | {k['ms']:.1f} | {k['calls']} |"
+                    for k in summary["kernels"][:top]]
+
+
+def write_profile(run_dir: Path, summary: Dict[str, Any]) -> Path:
+    """``profile_step<N>.json`` and a markdown table of the same beside it, in the run directory."""
+    stem = run_dir / f"profile_step{summary['step']}"
+    stem.with_suffix(".json").write_text(json.dumps(summary, indent=2))
+    head = [f"# Device time of step {summary['step']} (torch.profiler; wall {summary['wall_s']:.2f} s, "
+            f"kernels {summary['device_ms'] / 1e3:.2f} s)", ""]
+    stem.with_suffix(".md").write_text("\n".join(head + profile_table(summary)) + "\n")
+    return stem.with_suffix(".md")
+
+
 class MetricsLogger:
     """Writes metrics.jsonl (+ wandb) and drives the progress bar on rank 0."""
 

@@ -55,7 +55,7 @@ def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
 # train.* settings that change the loss curve; the others (steps, output, logging, checkpoint
 # cadence) may change between a run and its resume.
 RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "warmup_steps", "weight_decay",
-                     "grad_clip", "seed", "precision", "loss_chunk_tokens", "objective", "dpo_beta")
+                     "grad_clip", "seed", "precision", "loss_chunk_tokens", "loss_impl", "objective", "dpo_beta")
 
 
 def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> None:
@@ -66,6 +66,8 @@ def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) ->
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out
     a, b = flat(saved), flat(current)
+    if saved and "train.loss_impl" not in a and "train.loss_impl" in b:
+        a["train.loss_impl"] = "recompute"  # checkpoints from before the setting: the only form then
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if saved and changed:
         shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:6])
@@ -188,7 +190,7 @@ class Trainer:
         parallelize(self.model, activation_checkpointing=cfg.parallel.activation_checkpointing,
                     zero_stage=cfg.parallel.zero_stage, offload_activations=cfg.parallel.offload_activations,
                     tile_tokens=cfg.parallel.tile_tokens)
-        self.module = CausalLMWithLoss(self.model, cfg.train.loss_chunk_tokens)
+        self.module = CausalLMWithLoss(self.model, cfg.train.loss_chunk_tokens, cfg.train.loss_impl)
 
     def _build_optimizer(self) -> None:
         from msa_train.parallel import build_engine
@@ -249,6 +251,7 @@ class Trainer:
         cfg_dict = dataclasses.asdict(cfg)
         self.peak_tflops = peak_tflops(self.device, cfg.train.peak_tflops)
         self._phases = PhaseTimer(self.device, cfg.train.phase_times)
+        self._profiled_since_log = False  # train.profile_step ran since the last record
         if cfg.eval.only:  # leaves the run directory's config and metrics alone: eval.json only
             self.logger = None
             return
@@ -543,6 +546,27 @@ class Trainer:
         return self._step_out(micro, lr, sums[0], n_pairs, grad_norm,
                               pair_sums={"reward_accuracy": sums[1], "reward_margin": sums[2]})
 
+    def _profiled_step(self) -> Dict[str, Any]:
+        """``train.profile_step``: the step under torch.profiler; rank 0 writes the device time by
+        kind and by kernel to profile_step<N>.{json,md} in the run directory (msa_train/metrics.py)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from msa_train.metrics import profile_summary, write_profile
+
+        cuda = self.device.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+            out = self.train_step()
+            sync()
+        wall = time.perf_counter() - t0
+        if self.dist.is_main:
+            path = write_profile(self.run_dir, profile_summary(prof, self.step, wall))
+            log.info("profile of step %d: %s", self.step, path)
+        self._profiled_since_log = True
+        return out
+
     def _log(self, out: Dict[str, Any], elapsed: float, tokens: int, document_tokens: int) -> Dict[str, Any]:
         """The record of the steps since the last log: ``tokens`` positions of the whole run (what the
         hardware computed, padding included, and what MFU counts), ``document_tokens`` of this rank's
@@ -574,6 +598,9 @@ class Trainer:
                   "document_tokens_per_s": document_tokens_per_s, "mfu": mfu,
                   "peak_memory_gb": peak_memory_gb(self.device), "tokens_seen": self.tokens_seen,
                   "elapsed_s": time.perf_counter() - self._t0, **extra, **self._phases.take()}
+        if self._profiled_since_log:  # its time includes the profiler's: left out of means
+            record["profiled"] = True
+            self._profiled_since_log = False
         self.logger.log(record)
         return record
 
@@ -617,7 +644,7 @@ class Trainer:
                 self._log_eval(self.evaluate())
                 t_last = time.perf_counter()
             while self.step < last:
-                out = self.train_step()
+                out = self._profiled_step() if cfg.profile_step == self.step + 1 else self.train_step()
                 tokens_since += out["tokens"]
                 documents_since += out["document_tokens"]
                 # 5. log: the only host syncs of the loop, every log_every steps.
@@ -702,8 +729,9 @@ class Trainer:
 
     def _summary(self, records: List[Dict[str, Any]]) -> Dict[str, Any]:
         losses = [r["loss"] for r in records]
-        tps = [r["tokens_per_s"] for r in records[1:]] or [r["tokens_per_s"] for r in records]
-        dps = [r["document_tokens_per_s"] for r in records[1:]] or [r["document_tokens_per_s"] for r in records]
+        timed = [r for r in records[1:] if not r.get("profiled")] or records  # the first: warmup
+        tps = [r["tokens_per_s"] for r in timed]
+        dps = [r["document_tokens_per_s"] for r in timed]
         return {
             "recipe": self.cfg.recipe_name, "attention": self.cfg.attention.name, "steps": self.step,
             "world_size": self.dist.world_size, "device": str(self.device), "n_params": self.n_params,

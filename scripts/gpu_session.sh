@@ -5,7 +5,7 @@
 #   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e longest phases nsa selected variants ncu
 # (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
 # longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
-# phases reads PHASE_LEN, PHASE_SETS and PHASE_TIMEOUT;
+# phases reads PHASE_LEN, PHASE_SETS, PHASE_STEPS and PHASE_TIMEOUT;
 # on two GPUs: LONG_NPROC=2 LONG_LENS=2097152 LONG_OPTS="parallel.sp_degree=2 parallel.offload_activations=true ...")
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, the carried wheels, PYTHONPATH
@@ -45,7 +45,7 @@ for stage in $stages; do
         left=$(( ${PHASE_TIMEOUT:-560} - (SECONDS - start) ))
         [ "$left" -lt 60 ] && { echo "phases: $name not run (time)"; continue; }
         timeout "$left" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "$attn" --seq-lens "${PHASE_LEN:-262144}" \
-          --steps 2 --warmup 1 --timeout "$left" --out "$OUT/phases_llama3_8b_4layers_h200_$name" \
+          --steps "${PHASE_STEPS:-2}" --warmup 1 --timeout "$left" --out "$OUT/phases_llama3_8b_4layers_h200_$name" \
           -- model.hf_config.num_hidden_layers=4 train.phase_times=true $overrides < /dev/null 2>&1 | grep -v "^$" | tail -12
       done < <(echo $sets | sed -E 's/ ([a-z0-9_]+:[a-z,]+:)/\n\1/g') 2>&1 | tee "$OUT/phases.log" ;;
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)

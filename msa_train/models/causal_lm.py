@@ -16,10 +16,11 @@ class CausalLMWithLoss(nn.Module):
     :func:`chunked_linear_cross_entropy_sum`, so [T, vocab] logits are never materialised.
     """
 
-    def __init__(self, lm: nn.Module, chunk_tokens: int):
+    def __init__(self, lm: nn.Module, chunk_tokens: int, loss_impl: str = "fused"):
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        self.loss_impl = loss_impl
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
@@ -48,4 +49,4 @@ class CausalLMWithLoss(nn.Module):
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                **extra).last_hidden_state  # [1, T, hidden]
         return chunked_linear_cross_entropy_sum(self.lm.lm_head, hidden, targets, self.chunk_tokens, segments,
-                                                num_segments, with_correct)
+                                                num_segments, with_correct, impl=self.loss_impl)

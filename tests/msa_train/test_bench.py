@@ -1,7 +1,10 @@
 """The end-to-end benchmark's report: JSON + markdown table with speedups over attention=full."""
 import json
 
-from msa_train.bench import write_outputs
+import pytest
+import torch
+
+from msa_train.bench import phase_means, write_outputs
 
 
 def test_bench_report_tables_speedup_and_failures(tmp_path):
@@ -84,3 +87,47 @@ def test_bench_report_of_full_attention_alone(tmp_path):
     write_outputs(result, tmp_path / "e2e")
     md = (tmp_path / "e2e.md").read_text()
     assert "| seq_len | full tok/s |\n|---|---|\n| 512 | 1,000 |\n" in md
+
+
+def test_a_profiled_step_is_written_and_left_out_of_the_means(tmp_path):
+    """train.profile_step=2: step 2 runs under torch.profiler (CPU here: no device kernels), its
+    record is flagged, and the benchmark averages the other steps and keeps the profile."""
+    from msa_train.bench import run_point, summarise
+
+    point = run_point("tiny", "full", 256, 3, ["train.profile_step=2", "train.phase_times=true"], tmp_path,
+                      timeout=240)
+    assert point["ok"], point.get("error")
+    assert [r.get("profiled", False) for r in point["records"]] == [False, True, False]
+    assert point["profile"]["step"] == 2 and point["profile"]["wall_s"] > 0
+    assert (tmp_path / "full_256" / "profile_step2.md").is_file()
+    assert summarise(point, warmup=1) == point["records"][2]["tokens_per_s"]
+    assert phase_means(point, warmup=1)["forward_s"] == point["records"][2]["forward_s"]
+
+
+def test_profile_summary_sorts_device_time_by_kind():
+    from types import SimpleNamespace
+
+    from msa_train.metrics import kernel_kind, profile_summary, profile_table
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda key, us, n=1, dev=cuda: SimpleNamespace(key=key, device_type=dev, device_time_total=us, count=n)  # noqa: E731
+    events = [ev("fmsa_fwd_kernel", 5000.0, 4), ev("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 9000.0, 10),
+              ev("Memcpy DtoH (Device -> Pinned)", 1000.0, 2), ev("Memset (Device)", 10.0),
+              ev("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", 3000.0),
+              ev("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >", 500.0, 7),
+              ev("aten::mm", 9000.0, 10, dev=cpu),  # a CPU op: left out (its kernels are counted)
+              SimpleNamespace(key="Optimizer.step#AdamW.step", device_type=cuda, device_time_total=43000.0,
+                              count=1, is_user_annotation=True)]  # a GPU-side annotation: left out
+    prof = SimpleNamespace(key_averages=lambda: events)
+    s = profile_summary(prof, step=3, wall_s=1.5)
+    assert s["device_ms"] == pytest.approx(18.51)
+    assert list(s["kinds_ms"].items()) == [("matmul (cuBLAS)", 9.0), ("flash_msa (Triton)", 5.0),
+                                           ("dense attention (cuDNN / flash SDPA)", 3.0),
+                                           ("copy device<->host", 1.0),
+                                           ("other PyTorch kernels (elementwise, reductions, ...)", 0.5),
+                                           ("copy/fill on device", 0.01)]
+    assert s["kernels"][0] == {"name": "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "ms": 9.0, "calls": 10,
+                               "kind": "matmul (cuBLAS)"}
+    assert kernel_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collectives (NCCL)"
+    assert kernel_kind("_ce_rows_kernel") == "cross-entropy rows (Triton)"
+    assert "| flash_msa (Triton) | 5.0 | 27.0% |" in profile_table(s)

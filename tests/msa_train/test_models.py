@@ -1,4 +1,6 @@
 """Model patching: HF Llama / Qwen2 / Qwen3 -> msa_train models, document isolation, HF round trip."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,21 +87,128 @@ def test_hf_save_reload_round_trip(tmp_path, model_type, attention):
         torch.testing.assert_close(reloaded(**kw).logits, model(**kw).logits, rtol=0, atol=0)
 
 
-def test_chunked_linear_cross_entropy_matches_full_logits():
+@pytest.mark.parametrize("impl", ["fused", "recompute"])
+def test_chunked_linear_cross_entropy_matches_full_logits(impl):
     torch.manual_seed(0)
     head = torch.nn.Linear(32, 50, bias=False)
     hidden = torch.randn(1, 77, 32, requires_grad=True)
     labels = torch.randint(0, 50, (1, 77))
     labels[0, ::5] = -100
-    loss = chunked_linear_cross_entropy_sum(head, hidden, labels, chunk_tokens=16)
-    loss.backward()
+    labels[0, 64:] = -100  # a whole chunk without a target
+    loss = chunked_linear_cross_entropy_sum(head, hidden, labels, chunk_tokens=16, impl=impl)
+    (loss * 0.37).backward()
     g_h, g_w = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
     ref = F.cross_entropy(head(hidden).view(-1, 50), labels.view(-1), ignore_index=-100, reduction="sum")
-    ref.backward()
+    (ref * 0.37).backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g_h, hidden.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_w, head.weight.grad, rtol=1e-5, atol=1e-6)
+    assert g_h[0, 64:].abs().max() == 0 and g_h[0, ::5].abs().max() == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_fused_linear_cross_entropy_bf16_matches_recompute_and_gradient_paths(device):
+    """In bf16 (on CUDA through the row and scale kernels) both forms meet the fp64 reference, with
+    the incoming gradient a training step's 1 / n_tokens: the fused form multiplies its bf16
+    gradients by it in fp32 and rounds once (g itself rounded to bf16 would scale the whole
+    gradient by up to 0.4%). Only the hidden states' gradient, only the weight's, and no gradient
+    (the recomputed form) work too."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(64, 300, bias=False).to(device=device, dtype=torch.bfloat16)
+    hidden = torch.randn(1, 100, 64, dtype=torch.bfloat16, device=device)
+    labels = torch.randint(0, 300, (1, 100), device=device)
+    labels[0, :7] = -100
+    scale = torch.tensor(1 / 261124, device=device)  # 0.39% off in bf16
+    grads = {}
+    for impl in ("fused", "recompute"):
+        h = hidden.clone().requires_grad_(True)
+        head.weight.grad = None
+        loss = chunked_linear_cross_entropy_sum(head, h, labels, chunk_tokens=32, impl=impl)
+        (loss * scale).backward()
+        grads[impl] = (loss.detach(), h.grad.float(), head.weight.grad.float())
+    ref = F.cross_entropy((hidden.double() @ head.weight.double().t()).view(-1, 300), labels.view(-1),
+                          ignore_index=-100, reduction="sum")
+    h64, w64 = hidden.double().requires_grad_(True), head.weight.detach().double().requires_grad_(True)
+    (F.cross_entropy((h64 @ w64.t()).view(-1, 300), labels.view(-1), ignore_index=-100, reduction="sum")
+     * scale.double()).backward()
+    for impl, (loss, g_h, g_w) in grads.items():
+        assert abs(loss.item() - ref.item()) / ref.item() < 2e-3, impl
+        for a, b in ((g_h, h64.grad), (g_w, w64.grad)):
+            assert ((a.double() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item() < 5e-3, impl
+    h = hidden.clone().requires_grad_(True)
+    head.weight.grad = None
+    chunked_linear_cross_entropy_sum(head, h, labels, chunk_tokens=32).backward()  # incoming gradient 1
+    for a, b in zip(grads["fused"][1:], (h.grad, head.weight.grad)):  # scaled in fp32, then rounded once
+        assert torch.equal(a, (b.float() * scale).to(torch.bfloat16).float())
+        assert not torch.equal(a, (b * scale.to(torch.bfloat16)).float())  # not by a bf16 scale
+    assert grads["fused"][0].item() == pytest.approx(grads["recompute"][0].item(), rel=1e-5)
+    head.weight.requires_grad_(False)  # only dh
+    h = hidden.clone().requires_grad_(True)
+    (chunked_linear_cross_entropy_sum(head, h, labels, chunk_tokens=32) * scale).backward()
+    torch.testing.assert_close(h.grad.float(), grads["fused"][1], rtol=0, atol=0)
+    head.weight.requires_grad_(True)
+    head.weight.grad = None  # only dW
+    (chunked_linear_cross_entropy_sum(head, hidden, labels, chunk_tokens=32) * scale).backward()
+    torch.testing.assert_close(head.weight.grad.float(), grads["fused"][2], rtol=0, atol=0)
+    with torch.no_grad():
+        no_grad = chunked_linear_cross_entropy_sum(head, hidden, labels, chunk_tokens=32).item()
+    assert no_grad == pytest.approx(grads["fused"][0].item(), rel=1e-5)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ce_rows_kernel_matches_pytorch(dtype):
+    """The fused loss's per-row kernel (CUDA's path) against the PyTorch ops (CPU's path): loss and
+    in-place gradient, over several column blocks with a ragged last one, ignored labels, and a
+    label in the last column."""
+    from msa_train.loss import _ce_rows_torch, _ce_rows_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(2)
+    logits = (torch.randn(37, 300, device=device) * 4).to(dtype)
+    y = torch.randint(0, 300, (37,), device=device)
+    y[::6], y[5] = -100, 299
+    ref_loss, ref_grad = _ce_rows_torch(logits.clone(), y, True)
+    loss, grad = _ce_rows_triton(logits.clone(), y, True, block=64)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)  # bf16: an ulp
+    torch.testing.assert_close(grad, ref_grad, **tol)
+    assert grad[::6].abs().max() == 0
+    only_loss, none = _ce_rows_triton(logits.clone(), y, False, block=64)
+    assert none is None and torch.equal(only_loss, loss)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+def test_scale_kernel_multiplies_in_fp32():
+    from msa_train.loss import _scale_kernel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(3000, device=device).to(torch.bfloat16)
+    g = torch.tensor(1 / 261124, device=device)
+    out = x.clone()
+    _scale_kernel[(3,)](out, 3000, g, BLOCK=1024)
+    want = (x.float() * g).to(torch.bfloat16)
+    if device == "cuda":
+        assert torch.equal(out, want)
+    else:  # the interpreter's fp32 -> bf16 cast truncates: within one bf16 step
+        assert ((out.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all()
+    bf16_scale = x * g.to(torch.bfloat16)  # what a bf16 multiply gives: g itself rounded first
+    assert abs((bf16_scale.double() / (x.double() * g.item())).mean().item() - 1) > 1e-3
+
+
+def test_fused_linear_cross_entropy_refuses_a_second_backward_and_a_bad_impl():
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(1, 5, 8, requires_grad=True)
+    labels = torch.randint(0, 11, (1, 5))
+    loss = chunked_linear_cross_entropy_sum(head, hidden, labels, chunk_tokens=4)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="ran twice.*loss_impl=recompute"):
+        loss.backward()
+    with pytest.raises(ValueError, match="impl='nope'"):
+        chunked_linear_cross_entropy_sum(head, hidden, labels, impl="nope")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])  # untied, tied embeddings

@@ -175,3 +175,33 @@ def test_document_tokens_per_s_leaves_the_padding_out(tmp_path):
         assert r["document_tokens_per_s"] / r["tokens_per_s"] == pytest.approx(documents / (2 * 512), rel=1e-9)
     assert any(r["document_tokens_per_s"] < r["tokens_per_s"] for r in records)
     assert summary["mean_document_tokens_per_s"] < summary["mean_tokens_per_s"]
+
+
+@pytest.mark.parametrize("stage, recipe", [(0, "tiny"), (3, "tiny"), (0, "tiny_qwen3"), (3, "tiny_qwen3")],
+                         ids=["zero0", "zero3", "zero0-tied", "zero3-tied"])
+def test_fused_loss_trains_like_the_recomputed_one(tmp_path, stage, recipe):
+    """train.loss_impl: the fused linear cross-entropy (gradients in the forward; under ZeRO-3 run as
+    the head's forward so its weight is gathered) follows the recomputed form's losses, also with the
+    head tied to the embedding (tiny_qwen3), whose gradient then adds both uses."""
+    common = [f"recipe={recipe}", "train.steps=3", "train.seq_len=256", f"parallel.zero_stage={stage}", *FAST]
+    _, fused = train([*common, f"train.output_dir={tmp_path / 'a'}"])
+    _, recomputed = train([*common, "train.loss_impl=recompute", f"train.output_dir={tmp_path / 'b'}"])
+    assert [r["loss"] for r in fused] == pytest.approx([r["loss"] for r in recomputed], rel=1e-5)
+    assert fused[-1]["loss"] < fused[0]["loss"] - 0.1
+
+
+def test_a_checkpoint_from_before_loss_impl_resumes_only_with_the_recomputed_loss():
+    from msa_train.trainer import check_resume_config
+
+    saved = {"train": {"seq_len": 512, "loss_chunk_tokens": 4096}}  # written before train.loss_impl existed
+    check_resume_config(saved, {"train": {"seq_len": 512, "loss_chunk_tokens": 4096, "loss_impl": "recompute"}}, "ck")
+    with pytest.raises(ValueError, match=r"train.loss_impl: 'recompute' -> 'fused'"):
+        check_resume_config(saved, {"train": {"seq_len": 512, "loss_chunk_tokens": 4096, "loss_impl": "fused"}}, "ck")
+
+
+def test_a_profiled_step_inside_a_logged_interval_flags_its_record(tmp_path):
+    common = ["attention=full", "train.steps=4", "train.log_every=2", "train.save_final=false", *FAST]
+    summary, records = train([*common, "train.profile_step=1", f"train.output_dir={tmp_path}"])
+    assert [(r["step"], r.get("profiled", False)) for r in records] == [(2, True), (4, False)]
+    assert (tmp_path / "profile_step1.md").is_file()
+    assert summary["mean_tokens_per_s"] == records[1]["tokens_per_s"]

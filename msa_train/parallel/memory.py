@@ -199,6 +199,9 @@ def out_of_memory_hint(cfg) -> str:
                        "(AdamW state in host memory, stepped by cpu_adam)")
     if p.zero_stage == 3 and not p.offload_params:
         steps.append("parallel.offload_params=true (parameters in host memory)")
+    if cfg.train.loss_impl == "fused":
+        steps.append("train.loss_impl=recompute (the loss keeps no vocab x hidden weight gradient from its "
+                     "forward to the backward; slower)")
     steps.append("more GPUs with parallel.sp_degree (each rank holds seq_len / sp_degree tokens per layer), "
                  f"or a shorter train.seq_len (now {cfg.train.seq_len})")
     return (f"out of device memory at train.seq_len={cfg.train.seq_len}. Memory options this run does not use yet:\n  - "

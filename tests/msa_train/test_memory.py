@@ -193,8 +193,9 @@ def test_out_of_memory_names_the_options_the_run_does_not_use(monkeypatch):
                                   "offload_activations=true", "parallel=zero2 parallel.offload_optimizer=true parallel.optimizer=deepspeed",
                                   "sp_degree", "now 4096"], []),
         (["parallel=zero3", "parallel.tile_tokens=8192", "parallel.offload_activations=true"],
-         ["parallel.offload_optimizer=true", "parallel.offload_params=true", "sp_degree"],
+         ["parallel.offload_optimizer=true", "parallel.offload_params=true", "train.loss_impl=recompute", "sp_degree"],
          ["activation_checkpointing", "tile_tokens=", "offload_activations"]),
+        (["train.loss_impl=recompute"], ["activation_checkpointing=true"], ["loss_impl"]),
     ]:
         with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
             cfg = hydra_compose(config_name="config", overrides=overrides)

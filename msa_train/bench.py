@@ -141,13 +141,14 @@ def write_outputs(result: Dict, stem: Path) -> None:
                   "| seq_len | " + " | ".join(atts) + " |", "|---" * (1 + len(atts)) + "|"]
         lines += [f"| {T:,} | " + " | ".join(f"{peaks[(a, T)]:.1f}" if peaks.get((a, T)) else "-" for a in atts) + " |"
                   for T in lens]
+    by_point = lambda kv: (kv[0][1], atts.index(kv[0][0]))  # noqa: E731 (sequence length, then attention)
     phases = {key: p.get("phase_s") for key, p in table.items() if p.get("phase_s")}
     if phases:
         lines += ["", "Seconds per step by phase (`train.phase_times=true`: a device sync around each phase):", "",
                   "| attention | seq_len | forward | backward | optimizer step |", "|---|---|---|---|---|"]
         lines += [f"| {a} | {T:,} | " + " | ".join(f"{ph[k]:.2f}" for k in PHASES) + " |"
-                  for (a, T), ph in sorted(phases.items(), key=lambda kv: (kv[0][1], atts.index(kv[0][0])))]
-    for (a, T), p in sorted(table.items(), key=lambda kv: (kv[0][1], atts.index(kv[0][0]))):
+                  for (a, T), ph in sorted(phases.items(), key=by_point)]
+    for (a, T), p in sorted(table.items(), key=by_point):
         prof = p.get("profile")
         if not prof:
             continue

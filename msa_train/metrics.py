@@ -127,21 +127,18 @@ def profile_summary(prof, step: int, wall_s: float, top: int = 40) -> Dict[str, 
     """Device time of a ``torch.profiler`` run over one step, by kind (:func:`kernel_kind`) and by
     kernel (the ``top`` longest), in ms. Kernels of concurrent streams each count in full, so the
     sum can exceed the wall time."""
-    kernels: Dict[str, list] = {}
-    for ev in prof.key_averages():
-        # GPU-side user annotations (e.g. "Optimizer.step#AdamW.step") span kernels counted already
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0 \
-                and not getattr(ev, "is_user_annotation", False):
-            entry = kernels.setdefault(ev.key, [0.0, 0])
-            entry[0] += ev.device_time_total / 1e3
-            entry[1] += ev.count
+    # key_averages has one entry per kernel name; GPU-side user annotations (e.g.
+    # "Optimizer.step#AdamW.step") span kernels counted already
+    kernels = [{"name": ev.key, "ms": ev.device_time_total / 1e3, "calls": ev.count, "kind": kernel_kind(ev.key)}
+               for ev in prof.key_averages()
+               if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0
+               and not getattr(ev, "is_user_annotation", False)]
+    kernels.sort(key=lambda k: -k["ms"])
     kinds: Dict[str, float] = {}
-    for name, (ms, _) in kernels.items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
-    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    for k in kernels:
+        kinds[k["kind"]] = kinds.get(k["kind"], 0.0) + k["ms"]
     return {"step": step, "wall_s": wall_s, "device_ms": sum(kinds.values()),
-            "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "kernels": [{"name": n, "ms": ms, "calls": c, "kind": kernel_kind(n)} for n, (ms, c) in ranked]}
+            "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "kernels": kernels[:top]}
 
 
 def profile_table(summary: Dict[str, Any], top: int = 40) -> list:

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tests.msa_train._util import FAST, read_metrics, run_cli, train
+from tests.msa_train._util import FAST, compose, read_metrics, run_cli, train
 
 
 @pytest.mark.parametrize("attention", ["full", "nsa"])
@@ -118,11 +118,25 @@ def test_finetune_saved_model_on_user_jsonl(tmp_path):
 
 
 def test_activation_checkpointing_gives_the_same_losses(tmp_path):
-    """HF layer checkpointing re-runs attention (and the NSA hidden-state hook) in backward."""
-    common = ["train.steps=2", "train.seq_len=256", *FAST]
+    """HF layer checkpointing re-runs every NSA attention in the backward (with the hidden-state hook),
+    and training follows the plain run. Not bitwise: on one CI machine a recomputed layer rounded
+    differently and the step-2 loss moved by one ulp. The gradients themselves are compared with
+    and without checkpointing in test_memory's patched-model test."""
+    from msa_train.trainer import Trainer
+
+    common = ["train.steps=3", "train.seq_len=256", *FAST]
     _, plain = train([*common, f"train.output_dir={tmp_path / 'a'}"])
-    _, ckpt = train([*common, "parallel.activation_checkpointing=true", f"train.output_dir={tmp_path / 'b'}"])
-    assert [r["loss"] for r in plain] == [r["loss"] for r in ckpt]
+    trainer = Trainer(compose([*common, "parallel.activation_checkpointing=true", f"train.output_dir={tmp_path / 'b'}"]))
+    attention = [m for m in trainer.model.modules() if hasattr(m, "nsa")]
+    calls = []
+    for m in attention:
+        m.register_forward_pre_hook(lambda *_: calls.append(1))
+    trainer.train()
+    ckpt = read_metrics(tmp_path / "b")
+    assert attention and len(calls) == 2 * 3 * len(attention)  # forward + recompute, each step
+    for a, b in zip(plain, ckpt, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("procs", [1, 2])

@@ -74,13 +74,14 @@ class AttentionConfig:
 
 @dataclass
 class ParallelConfig:
-    """DeepSpeed ZeRO and memory options; the DeepSpeed JSON is generated from this."""
+    """DeepSpeed ZeRO, memory and kernel options; the DeepSpeed JSON is generated from this."""
     zero_stage: int = 0                  # 0 | 1 | 2 | 3
     offload_optimizer: bool = False      # ZeRO >= 1: optimizer state in host memory
     offload_params: bool = False         # ZeRO 3 only: parameters in host memory
     activation_checkpointing: bool = False
     offload_activations: bool = False    # with activation_checkpointing: the layers' saved inputs in host memory
     tile_tokens: int = 0                 # > 0: MLPs and RMSNorms keep less for the backward, in tiles of this many tokens
+    fused_ops: bool = False              # RMSNorms and RoPE as single Triton kernels (msa_train/models/fused_ops.py)
     sp_degree: int = 1                   # sequence parallel degree (Ulysses): ranks per sequence
     backend: str = "auto"                # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     optimizer: str = "torch"             # torch (torch.optim.AdamW) | deepspeed (FusedAdam / cpu_adam, JIT-built)

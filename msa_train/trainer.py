@@ -189,7 +189,7 @@ class Trainer:
         cfg = self.cfg
         parallelize(self.model, activation_checkpointing=cfg.parallel.activation_checkpointing,
                     zero_stage=cfg.parallel.zero_stage, offload_activations=cfg.parallel.offload_activations,
-                    tile_tokens=cfg.parallel.tile_tokens)
+                    tile_tokens=cfg.parallel.tile_tokens, fused_ops=cfg.parallel.fused_ops)
         self.module = CausalLMWithLoss(self.model, cfg.train.loss_chunk_tokens, cfg.train.loss_impl)
 
     def _build_optimizer(self) -> None:

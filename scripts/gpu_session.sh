@@ -2,7 +2,7 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e longest phases nsa selected variants ncu
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e longest phases fusedops nsa selected variants ncu
 # (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
 # longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
 # phases reads PHASE_LEN, PHASE_SETS, PHASE_STEPS and PHASE_TIMEOUT;
@@ -48,6 +48,8 @@ for stage in $stages; do
           --steps "${PHASE_STEPS:-2}" --warmup 1 --timeout "$left" --out "$OUT/phases_llama3_8b_4layers_h200_$name" \
           -- model.hf_config.num_hidden_layers=4 train.phase_times=true $overrides < /dev/null 2>&1 | grep -v "^$" | tail -12
       done < <(echo $sets | sed -E 's/ ([a-z0-9_]+:[a-z,]+:)/\n\1/g') 2>&1 | tee "$OUT/phases.log" ;;
+    fusedops)  # parallel.fused_ops's RMSNorm and RoPE kernels against HF's code, checked and timed side by side
+      timeout "${FUSED_TIMEOUT:-240}" python3 scripts/bench_fused_ops.py --out "$OUT" 2>&1 | tail -14 | tee "$OUT/fused_ops.log" ;;
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)
       timeout 300 python3 scripts/bench_nsa.py --out "$OUT" --Ts 8192,32768,65536,131072,262144,524288 \
         --models llama3_8b,qwen3_14b --qwen-Ts 65536,262144 \

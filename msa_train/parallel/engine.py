@@ -51,7 +51,7 @@ def model_init_context(zero_stage: int, ds_config: Dict[str, Any]) -> ModelInitC
 
 
 def parallelize(model: nn.Module, *, activation_checkpointing: bool, zero_stage: int,
-                offload_activations: bool = False, tile_tokens: int = 0) -> nn.Module:
+                offload_activations: bool = False, tile_tokens: int = 0, fused_ops: bool = False) -> nn.Module:
     """Apply memory/parallel transforms to the patched HF model (in place).
 
     * Activation checkpointing: HF's per-decoder-layer checkpointing, non-reentrant (works with
@@ -61,6 +61,8 @@ def parallelize(model: nn.Module, *, activation_checkpointing: bool, zero_stage:
     * ``tile_tokens > 0``: the token-wise layers keep less for the backward (``memory.tile_token_layers``):
       each decoder MLP runs in tiles of at most that many tokens (DeepSpeed's ``TiledMLP``), and the
       RMSNorms save their input only and recompute their fp32 insides in the backward, tile by tile.
+    * ``fused_ops``: the RMSNorms and the attention layers' RoPE run as single Triton kernels
+      (``msa_train.models.fused_ops``); fused norms keep only their input, so tiling leaves them alone.
     * ZeRO-3: NSA modules use their sub-modules' weights as tensors (compression maps, gate), so
       they are ZeRO-3 leaf modules: all their parameters are gathered when the NSA module runs.
     """
@@ -74,6 +76,11 @@ def parallelize(model: nn.Module, *, activation_checkpointing: bool, zero_stage:
             raise ValueError("parallel.offload_activations: the model has no checkpointed layers to offload")
         for layer in layers:  # HF's non-reentrant checkpoint, marking its recompute (memory.layer_checkpoint)
             layer._gradient_checkpointing_func = functools.partial(layer_checkpoint, offload=offload_activations)
+    if fused_ops:
+        from msa_train.models import family_of
+        from msa_train.models.fused_ops import fuse_token_ops
+
+        fuse_token_ops(model, family_of(model.config).attention_modules(model))
     if tile_tokens:
         tile_token_layers(model, tile_tokens)
     model.config.use_cache = False

@@ -81,7 +81,7 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     offload_activations: bool = False    # with activation_checkpointing: the layers' saved inputs in host memory
     tile_tokens: int = 0                 # > 0: MLPs and RMSNorms keep less for the backward, in tiles of this many tokens
-    fused_ops: bool = False              # RMSNorms and RoPE as single Triton kernels (msa_train/models/fused_ops.py)
+    fused_ops: bool = False              # RMSNorms, RoPE and SwiGLU as single Triton kernels (models/fused_ops.py)
     sp_degree: int = 1                   # sequence parallel degree (Ulysses): ranks per sequence
     backend: str = "auto"                # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     optimizer: str = "torch"             # torch (torch.optim.AdamW) | deepspeed (FusedAdam / cpu_adam, JIT-built)

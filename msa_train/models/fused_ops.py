@@ -1,12 +1,14 @@
-"""The decoder's RMSNorms and RoPE as single Triton kernels, forward and backward (``parallel.fused_ops``).
+"""The decoder's RMSNorms, RoPE and SwiGLU as single Triton kernels, forward and backward (``parallel.fused_ops``).
 
 HF's RMSNorm runs its row through about six elementwise passes over fp32 copies (the cast, the
 square, the mean, the scale, the cast back, the weight), and autograd as many again in the
 backward. Its RoPE (``q * cos + rotate_half(q) * sin``, and the same for k) takes four passes and a
 concatenation over [B, H, T, D] views of [B, T, H, D] storage, which PyTorch's elementwise kernels
-do not vectorise. In a profiled 256K-token step of four Llama-3-8B layers such kernels took 1.2 s
-of 7.8 s of device time (benchmarks/results/profile_llama3_8b_4layers_256k_h200_fmsa_fused.md).
-Here each is one kernel that reads its input once and writes its output once:
+do not vectorise. In a profiled 256K-token step of four Llama-3-8B layers the elementwise and
+reduction kernels outside the matmuls, attention and the loss (these, SwiGLU's, the residual adds,
+dtype copies) took 1.2 s of 7.8 s of device time
+(benchmarks/results/profile_llama3_8b_4layers_256k_h200_fmsa_fused.md). Here each of the three is
+one kernel that reads its input once and writes its output once:
 
 * RMSNorm (Llama, Qwen2, Qwen3, including Qwen3's per-head q/k norms): HF's arithmetic, the row in
   fp32 and the normalised row rounded to the input's dtype before the weight multiplies it. The
@@ -16,19 +18,25 @@ Here each is one kernel that reads its input once and writes its output once:
 * RoPE: the HF module's ``apply_rotary_pos_emb`` for q and k, in fp32 and rounded once (HF rounds
   each product and the sum in the model's dtype: results may differ by one unit in the last place).
   The backward is the same rotation by minus the angle.
+* SwiGLU (``down(silu(gate(x)) * up(x))`` of the Llama / Qwen MLPs): ``silu(g) * u`` in fp32,
+  rounded once, saving g and u (HF keeps silu(g) as well); the backward recomputes the sigmoid.
+  Under ``parallel.tile_tokens`` the tiled MLP runs it tile by tile.
 
 Why by hand and not liger-kernel's RMSNorm and RoPE: liger's kernels fail under Triton's CPU
 interpreter (they call methods on scalar arguments: ``eps.to``), where CI checks every kernel
 against its reference, and liger installs them by replacing HF's classes and functions for the
-whole process. :func:`fuse_token_ops` patches one model: its norms' forwards, and its rotary
-embedding, which tags the cos/sin it returns. The HF module's ``apply_rotary_pos_emb`` is replaced
-once by a dispatcher that runs the kernel for tagged cos/sin and HF's function for everything else.
+whole process. :func:`fuse_token_ops` patches one model: its norms' and MLPs' forwards, and its
+attention modules' forwards, which mark (a context variable) that the RoPE applied while they run is
+to be fused. The HF module's ``apply_rotary_pos_emb`` is replaced once by a dispatcher that runs the
+kernel for those calls and HF's function for everything else. (Not a mark on the cos/sin tensors:
+under ZeRO-3 DeepSpeed's module hooks hand on detached copies of every module output.)
 
 The kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the tests);
 elsewhere, and for shapes they do not cover, HF's code runs.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import sys
@@ -40,9 +48,13 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-_TAG = "_msa_fused_rope"          # on the cos/sin a patched rotary embedding returns
+# True while a patched attention module runs (its RoPE calls take the kernel)
+_FUSE_ROPE = contextvars.ContextVar("msa_fused_rope", default=False)
 _DISPATCH = "_msa_rope_dispatch"  # on the dispatcher that replaced an HF module's apply_rotary_pos_emb
 FUSED_NORM = "_msa_fused_norm"    # on each RMSNorm fuse_token_ops patched (memory.tile_token_layers skips them)
+FUSED_MLP = "msa_fused_forward"   # on each MLP fuse_token_ops patched: its fused forward (memory._plain_mlp runs it)
+# MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)): the ones the SwiGLU kernel replaces
+SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 MAX_NORM_WIDTH = 8192             # one row in registers; wider norms run HF's code
 
 
@@ -154,7 +166,7 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def _fused_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if not _runs_triton(x) or x.shape[-1] > MAX_NORM_WIDTH or x.numel() == 0:
+    if not _runs_triton(x) or x.numel() == 0:
         return type(self).forward(self, x)
     return _RMSNorm.apply(x, self.weight, self)
 
@@ -218,7 +230,7 @@ class _Rope(torch.autograd.Function):
 
 
 def _fusable_rope(q, k, cos, sin, unsqueeze_dim) -> bool:
-    if not (getattr(cos, _TAG, False) and getattr(sin, _TAG, False)) or unsqueeze_dim != 1:
+    if not _FUSE_ROPE.get() or unsqueeze_dim != 1:
         return False
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return False  # HF's layout: q/k [B, H, T, D], cos/sin [B or 1, T, D]
@@ -229,12 +241,12 @@ def _fusable_rope(q, k, cos, sin, unsqueeze_dim) -> bool:
         return False
     if cos.requires_grad or sin.requires_grad or not (_runs_triton(q) and q.device == k.device == cos.device):
         return False
-    return q.dtype == k.dtype
+    return q.dtype == k.dtype == cos.dtype == sin.dtype  # (HF's output dtype is promoted; the kernel's is q's)
 
 
 def rope_dispatcher(hf_apply):
-    """What replaces an HF module's ``apply_rotary_pos_emb``: the kernel for cos/sin tagged by a
-    patched rotary embedding, ``hf_apply`` otherwise."""
+    """What replaces an HF module's ``apply_rotary_pos_emb``: the kernel for calls made while a
+    patched attention module runs (and shapes it covers), ``hf_apply`` otherwise."""
     @functools.wraps(hf_apply)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
         if args or kwargs or not _fusable_rope(q, k, cos, sin, unsqueeze_dim):
@@ -246,11 +258,67 @@ def rope_dispatcher(hf_apply):
     return apply_rotary_pos_emb
 
 
-def _tagging_rotary_forward(self: nn.Module, *args, **kwargs):
-    cos, sin = type(self).forward(self, *args, **kwargs)
-    for t in (cos, sin):
-        setattr(t, _TAG, True)
-    return cos, sin
+def _fused_rope_attention_forward(self: nn.Module, *args, **kwargs):
+    token = _FUSE_ROPE.set(True)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _FUSE_ROPE.reset(token)
+
+
+# ------------------------------------------------------------------------------------------ SwiGLU
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, dy_ptr, y_ptr, du_ptr, n, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
+    """Forward: y = silu(g) * u. Backward: dg = dy * u * s * (1 + g (1 - s)) with s = sigmoid(g),
+    written over y_ptr, and du = dy * silu(g) over du_ptr. fp32 math, one rounding per output."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    if BACKWARD:
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, (dy * u * s * (1.0 + g * (1.0 - s))).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + offs, (dy * g * s).to(du_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + offs, (g * s * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_SWIGLU_BLOCK = 2048
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(g) * u`` for g, u of one shape and dtype."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        g, u = g.contiguous(), u.contiguous()
+        y = torch.empty_like(g)
+        grid = (triton.cdiv(g.numel(), _SWIGLU_BLOCK),)
+        _swiglu_kernel[grid](g, u, g, y, y, g.numel(), BLOCK=_SWIGLU_BLOCK, BACKWARD=False, num_warps=4)
+        ctx.save_for_backward(g, u)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        g, u = ctx.saved_tensors
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        grid = (triton.cdiv(g.numel(), _SWIGLU_BLOCK),)
+        _swiglu_kernel[grid](g, u, dy.contiguous(), dg, du, g.numel(), BLOCK=_SWIGLU_BLOCK, BACKWARD=True, num_warps=4)
+        return dg, du
+
+
+def _fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    g, u = self.gate_proj(x), self.up_proj(x)
+    if not _runs_triton(g) or g.numel() == 0 or g.dtype != u.dtype:
+        return self.down_proj(self.act_fn(g) * u)
+    return self.down_proj(_SwiGLU.apply(g, u))
+
+
+def _is_swiglu_mlp(m: nn.Module) -> bool:
+    return (type(m).__name__ in SWIGLU_MLPS and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+            and all(isinstance(getattr(m, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")))
 
 
 # ------------------------------------------------------------------------------------------- patch
@@ -259,23 +327,30 @@ def _is_rms_norm(m: nn.Module) -> bool:
             and isinstance(getattr(m, "weight", None), torch.Tensor))
 
 
-def fuse_token_ops(model: nn.Module, attention_modules) -> tuple[int, int]:
-    """Run ``model``'s RMSNorms and its attention layers' RoPE through the kernels above, in place;
-    returns (norms, attention modules whose RoPE is fused). ``attention_modules``: the family's
-    attention modules (their class's HF module holds the ``apply_rotary_pos_emb`` they call)."""
-    norms = [m for m in model.modules() if _is_rms_norm(m)]
+def fuse_token_ops(model: nn.Module, attention_modules) -> tuple[int, int, int]:
+    """Run ``model``'s RMSNorms, its attention layers' RoPE and its SwiGLU MLPs through the kernels
+    above, in place; returns (norms, attention modules whose RoPE is fused, MLPs).
+    ``attention_modules``: the family's attention modules (their class's HF module holds the
+    ``apply_rotary_pos_emb`` they call)."""
+    attention = list(attention_modules)
+    modules = {sys.modules[type(a).__module__] for a in attention}
+    if not attention or not all(callable(getattr(mod, "apply_rotary_pos_emb", None)) for mod in modules):
+        raise ValueError(f"parallel.fused_ops: {type(model).__name__} is not laid out as the HF Llama/Qwen models "
+                         "this patches (attention modules whose HF module has an apply_rotary_pos_emb)")
+    # (wider norms run HF's code, so they stay unmarked and parallel.tile_tokens still tiles them;
+    # under ZeRO-3 a partitioned weight's own shape is empty, its full one is ds_shape)
+    norms = [m for m in model.modules()
+             if _is_rms_norm(m) and getattr(m.weight, "ds_shape", m.weight.shape)[-1] <= MAX_NORM_WIDTH]
     for norm in norms:
         norm.forward = types.MethodType(_fused_norm_forward, norm)
         setattr(norm, FUSED_NORM, True)
-    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    attention = list(attention_modules)
-    modules = {sys.modules[type(a).__module__] for a in attention}
-    if len(rotary) != 1 or not all(callable(getattr(mod, "apply_rotary_pos_emb", None)) for mod in modules):
-        raise ValueError(f"parallel.fused_ops: {type(model).__name__} is not laid out as the HF Llama/Qwen models "
-                         f"this patches (one rotary embedding, found {len(rotary)}; an apply_rotary_pos_emb "
-                         "in each attention class's module)")
+    mlps = [m for m in model.modules() if _is_swiglu_mlp(m)]
+    for mlp in mlps:
+        setattr(mlp, FUSED_MLP, types.MethodType(_fused_mlp_forward, mlp))
+        mlp.forward = getattr(mlp, FUSED_MLP)
     for mod in modules:
         if not getattr(mod.apply_rotary_pos_emb, _DISPATCH, False):
             mod.apply_rotary_pos_emb = rope_dispatcher(mod.apply_rotary_pos_emb)
-    rotary[0].forward = types.MethodType(_tagging_rotary_forward, rotary[0])
-    return len(norms), len(attention)
+    for attn in attention:
+        attn.forward = types.MethodType(_fused_rope_attention_forward, attn)
+    return len(norms), len(attention), len(mlps)

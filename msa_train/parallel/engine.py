@@ -61,8 +61,9 @@ def parallelize(model: nn.Module, *, activation_checkpointing: bool, zero_stage:
     * ``tile_tokens > 0``: the token-wise layers keep less for the backward (``memory.tile_token_layers``):
       each decoder MLP runs in tiles of at most that many tokens (DeepSpeed's ``TiledMLP``), and the
       RMSNorms save their input only and recompute their fp32 insides in the backward, tile by tile.
-    * ``fused_ops``: the RMSNorms and the attention layers' RoPE run as single Triton kernels
-      (``msa_train.models.fused_ops``); fused norms keep only their input, so tiling leaves them alone.
+    * ``fused_ops``: the RMSNorms, the attention layers' RoPE and the MLPs' SwiGLU run as single
+      Triton kernels (``msa_train.models.fused_ops``); fused norms keep only their input, so tiling
+      leaves them alone, and a tiled MLP runs the fused SwiGLU tile by tile.
     * ZeRO-3: NSA modules use their sub-modules' weights as tensors (compression maps, gate), so
       they are ZeRO-3 leaf modules: all their parameters are gathered when the NSA module runs.
     """

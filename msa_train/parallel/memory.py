@@ -102,7 +102,10 @@ def _tiles(x: torch.Tensor, tile_tokens: int) -> int:
 
 
 def _plain_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return type(mlp).forward(mlp, x)
+    from msa_train.models.fused_ops import FUSED_MLP
+
+    fused = getattr(mlp, FUSED_MLP, None)  # parallel.fused_ops: its SwiGLU kernel, tile by tile
+    return fused(x) if fused is not None else type(mlp).forward(mlp, x)
 
 
 # Decoder layers whose MLP output only meets the residual add (nothing after it saves a tensor), so a

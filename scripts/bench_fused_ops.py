@@ -36,11 +36,11 @@ def bench(fn, grads=None, leaves=()):
 
     if grads is None:
         with torch.no_grad():
-            return do_bench(fn, warmup=5, rep=40, return_mode="median")
+            return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
     def step():
         torch.autograd.backward(fn(), grads)
-    return do_bench(step, warmup=5, rep=40, grad_to_none=list(leaves), return_mode="median")
+    return do_bench(step, warmup=25, rep=200, grad_to_none=list(leaves), return_mode="median")
 
 
 def compare(fused, hf, ref, leaves, grads):
@@ -93,6 +93,12 @@ def rope_case(T, hq, hk, d):
             return dispatch(q, k, cos, sin)
         finally:
             fo._FUSE_ROPE.reset(token)
+
+    token = fo._FUSE_ROPE.set(True)
+    try:  # what is timed is the kernel, not HF's code again
+        assert fo._fusable_rope(q, k, cos, sin, 1), "bench_fused_ops: the RoPE case would run HF's code"
+    finally:
+        fo._FUSE_ROPE.reset(token)
     hf = lambda: hf_apply(q, k, cos, sin)  # noqa: E731
     ref = lambda q32, k32: hf_apply(q32, k32, cos.float(), sin.float())  # noqa: E731
     grads = (torch.randn_like(q), torch.randn_like(k))

@@ -15,8 +15,9 @@ one kernel that reads its input once and writes its output once:
   backward keeps the input and one fp32 ``rstd`` per row; the weight's gradient is summed in fp32
   per program, then over the programs (deterministic, no atomics). It keeps only its input, as
   ``parallel.tile_tokens``'s recomputed norm does, so the tiled norm is not applied to these.
-* RoPE: the HF module's ``apply_rotary_pos_emb`` for q and k, in fp32 and rounded once (HF rounds
-  each product and the sum in the model's dtype: results may differ by one unit in the last place).
+* RoPE: the HF module's ``apply_rotary_pos_emb`` for q and k, in fp32 and rounded once. HF rounds
+  each product and the sum in the model's dtype, so where the two products nearly cancel its
+  result can be many units in the last place from the exact one; the kernel's is the closer.
   The backward is the same rotation by minus the angle.
 * SwiGLU (``down(silu(gate(x)) * up(x))`` of the Llama / Qwen MLPs): ``silu(g) * u`` in fp32,
   rounded once, saving g and u (HF keeps silu(g) as well); the backward recomputes the sigmoid.
@@ -40,7 +41,6 @@ import contextvars
 import functools
 import os
 import sys
-import types
 
 import torch
 import torch.nn as nn
@@ -237,6 +237,8 @@ def _fusable_rope(q, k, cos, sin, unsqueeze_dim) -> bool:
     D = q.shape[-1]
     if D % 2 or k.shape[-1] != D or cos.shape[-1] != D or cos.shape[1] != q.shape[2] or k.shape[2] != q.shape[2]:
         return False
+    if k.shape[0] != q.shape[0]:
+        return False
     if cos.shape[0] not in (1, q.shape[0]) or cos.stride(-1) != 1 or sin.stride() != cos.stride():
         return False
     if cos.requires_grad or sin.requires_grad or not (_runs_triton(q) and q.device == k.device == cos.device):
@@ -322,6 +324,12 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- patch
+def _bind(fn, module: nn.Module):
+    """``fn`` as ``module``'s method, in a form that pickles and deep-copies with the module (a
+    bound method pickles as a lookup of ``fn``'s name on the module, which fails on loading)."""
+    return functools.partial(fn, module)
+
+
 def _is_rms_norm(m: nn.Module) -> bool:
     return (type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")
             and isinstance(getattr(m, "weight", None), torch.Tensor))
@@ -342,15 +350,15 @@ def fuse_token_ops(model: nn.Module, attention_modules) -> tuple[int, int, int]:
     norms = [m for m in model.modules()
              if _is_rms_norm(m) and getattr(m.weight, "ds_shape", m.weight.shape)[-1] <= MAX_NORM_WIDTH]
     for norm in norms:
-        norm.forward = types.MethodType(_fused_norm_forward, norm)
+        norm.forward = _bind(_fused_norm_forward, norm)
         setattr(norm, FUSED_NORM, True)
     mlps = [m for m in model.modules() if _is_swiglu_mlp(m)]
     for mlp in mlps:
-        setattr(mlp, FUSED_MLP, types.MethodType(_fused_mlp_forward, mlp))
+        setattr(mlp, FUSED_MLP, _bind(_fused_mlp_forward, mlp))
         mlp.forward = getattr(mlp, FUSED_MLP)
     for mod in modules:
         if not getattr(mod.apply_rotary_pos_emb, _DISPATCH, False):
             mod.apply_rotary_pos_emb = rope_dispatcher(mod.apply_rotary_pos_emb)
     for attn in attention:
-        attn.forward = types.MethodType(_fused_rope_attention_forward, attn)
+        attn.forward = _bind(_fused_rope_attention_forward, attn)
     return len(norms), len(attention), len(mlps)

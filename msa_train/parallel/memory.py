@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
-import types
 
 import torch
 import torch.nn as nn
@@ -86,11 +86,11 @@ def tile_token_layers(model: nn.Module, tile_tokens: int) -> tuple[int, int]:
     if not mlps:
         raise ValueError(f"parallel.tile_tokens: {type(model).__name__} has no decoder layers with an `mlp`")
     for layer in with_mlp:
-        layer.mlp.forward = types.MethodType(_tiled_mlp_forward, layer.mlp)
+        layer.mlp.forward = functools.partial(_tiled_mlp_forward, layer.mlp)  # (pickles, unlike a bound method)
         layer.mlp.tile_tokens = tile_tokens
         layer.mlp.skip_in_recompute = type(layer).__name__ in MLP_LAST_LAYERS
     for norm in norms:
-        norm.forward = types.MethodType(_recomputed_norm_forward, norm)
+        norm.forward = functools.partial(_recomputed_norm_forward, norm)
         norm.tile_tokens = tile_tokens
     return len(mlps), len(norms)
 

@@ -31,12 +31,13 @@ def _within_one_ulp(a, b):
     return bool(((a.float() - b.float()).abs() <= b.float().abs() * 2.0 ** -7 + 1e-30).all())
 
 
-@pytest.fixture(params=["one tile a program", "all tiles in one program"])
+@pytest.fixture(params=[None, 1, 2], ids=["usual programs", "one program", "two programs"])
 def programs(request, monkeypatch):
-    """The norm's backward with its usual number of programs, and with one program that loops over
-    every row tile (its weight-gradient accumulation across tiles)."""
-    if request.param != "one tile a program":
-        monkeypatch.setattr(fo, "_programs", lambda device: 1)
+    """The norm's backward with its usual number of programs (here one row tile each), with one
+    program looping over every row tile, and with two taking every other tile (the weight gradient
+    accumulated across tiles, then summed over programs)."""
+    if request.param is not None:
+        monkeypatch.setattr(fo, "_programs", lambda device: request.param)
 
 
 def _hf_norm64(x, w, eps, dtype):
@@ -210,6 +211,13 @@ def test_fused_models_match_hf_models(model_type, attention, kernel_calls):
 
     ref_logits, ref_grads = run()
     assert counts == {"norm": 0, "rope": 0, "mlp": 0}
+    if DEV == "cuda":  # a bf16 model takes the kernels too (no fallback on its dtypes)
+        model = build_model(ModelConfig(model_type=model_type, hf_config=TINY[model_type]),
+                            AttentionConfig(name=attention, **SMALL_NSA), dtype=torch.bfloat16).to(DEV)
+        parallelize(model, zero_stage=0, activation_checkpointing=False, fused_ops=True)
+        model(input_ids=torch.randint(0, 97, (1, 64), device=DEV), use_cache=False).logits.float().sum().backward()
+        assert all(counts.values()), counts
+        counts.update(norm=0, rope=0, mlp=0)
     layers = TINY[model_type]["num_hidden_layers"]
     norms = (4 if model_type == "qwen3" else 2) * layers + 1
     # (the 96 tokens in 3 tiles of 32: the tiled MLP runs each tile in the forward and again in the
@@ -238,6 +246,24 @@ def test_fused_ops_fall_back_to_hf_where_triton_does_not_run(monkeypatch):
     ids = torch.randint(0, 97, (1, 40))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, use_cache=False).logits, ref(input_ids=ids, use_cache=False).logits)
+
+
+def test_patched_models_pickle_and_copy_with_their_kernels():
+    """The patched forwards are bound so that a pickled or deep-copied model runs its own modules.
+    (Without checkpointing: HF's own gradient checkpointing adds a hook that does not pickle.)"""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(model_type="llama", hf_config=TINY["llama"]), AttentionConfig(name="full"))
+    parallelize(model, zero_stage=0, activation_checkpointing=False, fused_ops=True, tile_tokens=16)
+    ids = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        for other in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+            norm, mlp = other.model.norm, other.model.layers[0].mlp
+            assert norm.forward.args[0] is norm and mlp.forward.args[0] is mlp
+            assert torch.equal(other(input_ids=ids, use_cache=False).logits, want)
 
 
 def test_fuse_token_ops_refuses_a_model_it_does_not_know_and_leaves_it_alone():

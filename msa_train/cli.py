@@ -7,6 +7,8 @@ registered as the ``recipe`` config group (``recipe=tiny`` is the default).
 """
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import msa_train
@@ -82,15 +84,37 @@ def run(cfg) -> dict:
     return summary
 
 
+_ENDED_DISTRIBUTED = False  # set when a distributed run has finished and torn its groups down
+
+
 def _shutdown_distributed() -> None:
     """All ranks done: tear the process groups down before the interpreter exits. Left to exit,
     the communicators' threads (gloo's, several groups with sequence parallelism) can be destroyed
     while running, which aborts the process ("terminate called without an active exception")."""
+    global _ENDED_DISTRIBUTED
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        _ENDED_DISTRIBUTED = True
+
+
+def _exit_after_distributed_run() -> None:
+    """End a finished distributed run's process without the interpreter's finalisation. Destroying
+    the process groups was not enough: twice in CI (a 4-process sequence-parallel run, later a
+    2-process ZeRO-3 one) a rank aborted at exit after its run had finished, with "terminate called
+    without an active exception", and torchrun reported the run as failed. Gloo's worker threads can
+    still hold work objects (and tensors) that some Python object references, such as DeepSpeed's
+    pending collective handles; destroyed during finalisation they take the GIL of an interpreter
+    being torn down (pytorch/pytorch#179291). Everything the run writes is closed and on disk by now
+    (checkpoints, hf/, metrics, the logger), so the streams are flushed and the process ends with 0."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def _quiet_libraries() -> None:
@@ -114,7 +138,9 @@ def main() -> None:
     def _app(cfg) -> None:
         run(cfg)
 
-    _app()
+    _app()  # (a failed run raises, and Hydra exits 1, before this point)
+    if _ENDED_DISTRIBUTED:
+        _exit_after_distributed_run()
 
 
 def _register_help(text: str) -> None:

@@ -324,13 +324,8 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- patch
-def _bind(fn, module: nn.Module):
-    """``fn`` as ``module``'s method, in a form that pickles and deep-copies with the module (a
-    bound method pickles as a lookup of ``fn``'s name on the module, which fails on loading)."""
-    return functools.partial(fn, module)
-
-
-def _is_rms_norm(m: nn.Module) -> bool:
+def is_rms_norm(m: nn.Module) -> bool:
+    """An HF RMSNorm (Llama's, Qwen2's, Qwen3's, ...): what the fused and the tiled norms replace."""
     return (type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")
             and isinstance(getattr(m, "weight", None), torch.Tensor))
 
@@ -348,17 +343,18 @@ def fuse_token_ops(model: nn.Module, attention_modules) -> tuple[int, int, int]:
     # (wider norms run HF's code, so they stay unmarked and parallel.tile_tokens still tiles them;
     # under ZeRO-3 a partitioned weight's own shape is empty, its full one is ds_shape)
     norms = [m for m in model.modules()
-             if _is_rms_norm(m) and getattr(m.weight, "ds_shape", m.weight.shape)[-1] <= MAX_NORM_WIDTH]
+             if is_rms_norm(m) and getattr(m.weight, "ds_shape", m.weight.shape)[-1] <= MAX_NORM_WIDTH]
     for norm in norms:
-        norm.forward = _bind(_fused_norm_forward, norm)
+        # (functools.partial, not a bound method: it pickles and deep-copies with the module)
+        norm.forward = functools.partial(_fused_norm_forward, norm)
         setattr(norm, FUSED_NORM, True)
     mlps = [m for m in model.modules() if _is_swiglu_mlp(m)]
     for mlp in mlps:
-        setattr(mlp, FUSED_MLP, _bind(_fused_mlp_forward, mlp))
+        setattr(mlp, FUSED_MLP, functools.partial(_fused_mlp_forward, mlp))
         mlp.forward = getattr(mlp, FUSED_MLP)
     for mod in modules:
         if not getattr(mod.apply_rotary_pos_emb, _DISPATCH, False):
             mod.apply_rotary_pos_emb = rope_dispatcher(mod.apply_rotary_pos_emb)
     for attn in attention:
-        attn.forward = _bind(_fused_rope_attention_forward, attn)
+        attn.forward = functools.partial(_fused_rope_attention_forward, attn)
     return len(norms), len(attention), len(mlps)

@@ -78,11 +78,10 @@ def tile_token_layers(model: nn.Module, tile_tokens: int) -> tuple[int, int]:
     layers = getattr(getattr(model, "model", model), "layers", None)
     with_mlp = [layer for layer in (layers or []) if hasattr(layer, "mlp")]
     mlps = [layer.mlp for layer in with_mlp]
-    from msa_train.models.fused_ops import FUSED_NORM
+    from msa_train.models.fused_ops import FUSED_NORM, is_rms_norm
 
-    norms = [m for m in model.modules()  # (a fused norm keeps only its input already: parallel.fused_ops)
-             if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and hasattr(m, "weight")
-             and not getattr(m, FUSED_NORM, False)]
+    # (a fused norm keeps only its input already: parallel.fused_ops)
+    norms = [m for m in model.modules() if is_rms_norm(m) and not getattr(m, FUSED_NORM, False)]
     if not mlps:
         raise ValueError(f"parallel.tile_tokens: {type(model).__name__} has no decoder layers with an `mlp`")
     for layer in with_mlp:

@@ -99,15 +99,17 @@ class Trainer:
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
         self.dpo = cfg.train.objective == "dpo"
-        self._build_distributed()
-        self._build_data()
-        self._build_model()
-        self._build_parallelize()
-        self._build_optimizer()
-        self._build_checkpoint()
-        if self.dpo:
-            self._build_reference()
-        self._build_logger()
+        # seconds each build step took (summary.json's "startup_s"): on a GPU a benchmark point's
+        # startup can take longer than its steps, and this says which step to look at
+        self.startup_s: Dict[str, float] = {}
+        steps = ["distributed", "data", "model", "parallelize", "optimizer", "checkpoint",
+                 *(["reference"] if self.dpo else []), "logger"]
+        for name in steps:
+            t0 = time.perf_counter()
+            getattr(self, f"_build_{name}")()
+            self.startup_s[name] = round(time.perf_counter() - t0, 3)
+        if self.dist.is_main:
+            log.info("startup: %s", ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
 
     # ------------------------------------------------------------------ build
     def _build_distributed(self) -> None:
@@ -739,5 +741,5 @@ class Trainer:
             "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
             "mean_document_tokens_per_s": sum(dps) / len(dps) if dps else None,
             "peak_memory_gb": peak_memory_gb(self.device), "wall_time_s": time.perf_counter() - self._t0,
-            "tokens_seen": self.tokens_seen, "resumed_from": self.resumed_from,
+            "tokens_seen": self.tokens_seen, "resumed_from": self.resumed_from, "startup_s": self.startup_s,
         }

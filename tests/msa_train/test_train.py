@@ -25,6 +25,9 @@ def test_tiny_recipe_trains_20_steps_with_loss_decreasing(tmp_path, attention):
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["lr"] > 0 for r in records)
     assert summary["steps"] == 20 and summary["final_loss"] == losses[-1]
     assert json.loads((tmp_path / "summary.json").read_text())["attention"] == attention
+    startup = summary["startup_s"]  # each build step's seconds, in the order they ran
+    assert list(startup) == ["distributed", "data", "model", "parallelize", "optimizer", "checkpoint", "logger"]
+    assert all(v >= 0 for v in startup.values()) and startup["model"] > 0
     assert (tmp_path / "config.json").is_file() and (tmp_path / "deepspeed_config.json").is_file()
     assert (tmp_path / "checkpoints" / "step_000020" / "COMPLETE").is_file()
     if attention == "full":

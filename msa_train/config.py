@@ -81,7 +81,8 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     offload_activations: bool = False    # with activation_checkpointing: the layers' saved inputs in host memory
     tile_tokens: int = 0                 # > 0: MLPs and RMSNorms keep less for the backward, in tiles of this many tokens
-    fused_ops: bool = False              # RMSNorms, RoPE and SwiGLU as single Triton kernels (models/fused_ops.py)
+    # RMSNorms, RoPE and SwiGLU as single Triton kernels (models/fused_ops.py); None: on when training on CUDA
+    fused_ops: Optional[bool] = None
     sp_degree: int = 1                   # sequence parallel degree (Ulysses): ranks per sequence
     backend: str = "auto"                # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     optimizer: str = "torch"             # torch (torch.optim.AdamW) | deepspeed (FusedAdam / cpu_adam, JIT-built)

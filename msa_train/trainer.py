@@ -189,9 +189,13 @@ class Trainer:
         from msa_train.parallel import parallelize
 
         cfg = self.cfg
+        # the fused kernels by default on CUDA (a 256K step of 4 Llama-3-8B layers 13% faster,
+        # docs/trainer.md); on a CPU Triton would only interpret them
+        fused = cfg.parallel.fused_ops
+        self.fused_ops = self.device.type == "cuda" if fused is None else fused
         parallelize(self.model, activation_checkpointing=cfg.parallel.activation_checkpointing,
                     zero_stage=cfg.parallel.zero_stage, offload_activations=cfg.parallel.offload_activations,
-                    tile_tokens=cfg.parallel.tile_tokens, fused_ops=cfg.parallel.fused_ops)
+                    tile_tokens=cfg.parallel.tile_tokens, fused_ops=self.fused_ops)
         self.module = CausalLMWithLoss(self.model, cfg.train.loss_chunk_tokens, cfg.train.loss_impl)
 
     def _build_optimizer(self) -> None:

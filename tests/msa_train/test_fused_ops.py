@@ -299,10 +299,23 @@ def test_training_with_fused_ops_follows_plain_training(tmp_path, stage, kernel_
     steps = 3
     common = [f"train.steps={steps}", "train.seq_len=256", f"parallel.zero_stage={stage}", *FAST]
     layers = compose(common).model.hf_config["num_hidden_layers"]
-    _, plain = train([*common, f"train.output_dir={tmp_path / 'a'}"])
+    _, plain = train([*common, "parallel.fused_ops=false", f"train.output_dir={tmp_path / 'a'}"])
     assert calls == {"norm": 0, "rope": 0, "mlp": 0}
     _, fused = train([*common, "parallel.fused_ops=true", f"train.output_dir={tmp_path / 'b'}"])
     assert calls == {"norm": steps * (2 * layers + 1), "rope": steps * 2 * layers, "mlp": steps * layers}
     for a, b in zip(plain, fused, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5 * LOOSE)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4 * LOOSE)
+
+
+def test_fused_ops_default_is_on_for_cuda_only(tmp_path, kernel_calls):
+    """parallel.fused_ops left unset (null) takes the kernels when training on CUDA; on a CPU, where
+    Triton would only interpret them, it runs HF's code."""
+    from msa_train.trainer import Trainer
+
+    cfg = compose([*FAST, "train.steps=1", "train.seq_len=128", f"train.output_dir={tmp_path}"])
+    assert cfg.parallel.fused_ops is None
+    trainer = Trainer(cfg)
+    assert trainer.fused_ops is (DEV == "cuda")
+    trainer.train()
+    assert (kernel_calls["norm"] > 0) is (DEV == "cuda")

@@ -746,4 +746,5 @@ class Trainer:
             "mean_document_tokens_per_s": sum(dps) / len(dps) if dps else None,
             "peak_memory_gb": peak_memory_gb(self.device), "wall_time_s": time.perf_counter() - self._t0,
             "tokens_seen": self.tokens_seen, "resumed_from": self.resumed_from, "startup_s": self.startup_s,
+            "fused_ops": self.fused_ops,  # parallel.fused_ops as it ran (null: on for CUDA)
         }

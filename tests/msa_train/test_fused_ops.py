@@ -16,9 +16,9 @@ from tests.msa_train.test_models import SMALL_NSA, TINY
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # On CUDA the NSA kernels' fp32 matmuls run in TF32 (Triton's default), so a last-bit difference in
-# their inputs moves a rounding by up to 2^-11: the fp32 model comparisons are 10x looser there
-# (measured on the H200: logits 2.3e-5, gradient norms 2.3e-4 apart). The CPU bounds stay tight.
-LOOSE = 10.0 if DEV == "cuda" else 1.0
+# their inputs moves a rounding by up to 2^-11: the fp32 NSA model comparison is 10x looser there
+# (logits 2.3e-5 apart on the H200, gpu_tests_fused_ops_tf32_h200.log). The CPU bounds stay tight.
+TF32_LOOSE = 10.0 if DEV == "cuda" else 1.0
 
 
 def _rel(a, b):
@@ -232,10 +232,11 @@ def test_fused_models_match_hf_models(model_type, attention, kernel_calls):
         # every norm and both of each layer's RoPE calls; a checkpointed layer runs again in the backward
         assert counts == {"norm": norms + (passes - 1) * (norms - 1), "rope": 2 * layers * passes,
                           "mlp": mlp_calls * layers}, opts
-        assert _rel(logits, ref_logits) < 1e-5 * LOOSE
+        loose = TF32_LOOSE if attention == "nsa" else 1.0
+        assert _rel(logits, ref_logits) < 1e-5 * loose
         scale = torch.stack([g.norm() for g in ref_grads.values()]).norm()
         for name, g in ref_grads.items():
-            assert (grads[name] - g).norm() <= 1e-4 * LOOSE * max(g.norm(), 1e-3 * scale), (opts, name)
+            assert (grads[name] - g).norm() <= 1e-4 * loose * max(g.norm(), 1e-3 * scale), (opts, name)
 
 
 def test_fused_ops_fall_back_to_hf_where_triton_does_not_run(monkeypatch):
@@ -303,9 +304,13 @@ def test_training_with_fused_ops_follows_plain_training(tmp_path, stage, kernel_
     assert calls == {"norm": 0, "rope": 0, "mlp": 0}
     _, fused = train([*common, "parallel.fused_ops=true", f"train.output_dir={tmp_path / 'b'}"])
     assert calls == {"norm": steps * (2 * layers + 1), "rope": steps * 2 * layers, "mlp": steps * layers}
+    # on CUDA the recipe trains in bf16, where the kernels round differently from HF's code (RoPE and
+    # SwiGLU round once): gradient norms 1.7e-4 and 2.3e-4 apart on the H200
+    # (gpu_tests_fused_ops_tf32_h200.log); on a CPU in fp32
+    rel = 10.0 if DEV == "cuda" else 1.0
     for a, b in zip(plain, fused, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5 * LOOSE)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4 * LOOSE)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5 * rel)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4 * rel)
 
 
 def test_fused_ops_default_is_on_for_cuda_only(tmp_path, kernel_calls):
@@ -317,5 +322,5 @@ def test_fused_ops_default_is_on_for_cuda_only(tmp_path, kernel_calls):
     assert cfg.parallel.fused_ops is None
     trainer = Trainer(cfg)
     assert trainer.fused_ops is (DEV == "cuda")
-    trainer.train()
-    assert (kernel_calls["norm"] > 0) is (DEV == "cuda")
+    summary = trainer.train()
+    assert (kernel_calls["norm"] > 0) is (DEV == "cuda") and summary["fused_ops"] is (DEV == "cuda")

@@ -7,6 +7,7 @@ global batch has the same weight, however the documents fall into sequences.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -170,7 +171,13 @@ class Trainer:
         # first import of a library) may have drawn from the generator, and the weights must not
         # depend on it (the same init on every rank and in every process)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model, cfg.attention, dtype=dtype, init_context=self._init_context)
+        # Under ZeRO 0-2 on CUDA the model is built on its device (the engine would move it there
+        # whole): no host-side initialisation of every weight (nn.Linear's own and then HF's, with
+        # one host thread drawing each normal_) and no host-to-device copy. ZeRO-3 partitions the
+        # weights as they are constructed (self._init_context).
+        on_device = self.device.type == "cuda" and cfg.parallel.zero_stage != 3
+        with torch.device(self.device) if on_device else contextlib.nullcontext():
+            self.model = build_model(cfg.model, cfg.attention, dtype=dtype, init_context=self._init_context)
         if self.sp is not None:
             from msa_train.models import _head_dims
             from msa_train.parallel.sequence import attach

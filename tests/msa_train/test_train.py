@@ -225,3 +225,23 @@ def test_a_profiled_step_inside_a_logged_interval_flags_its_record(tmp_path):
     assert [(r["step"], r.get("profiled", False)) for r in records] == [(2, True), (4, False)]
     assert (tmp_path / "profile_step1.md").is_file()
     assert summary["mean_tokens_per_s"] == records[1]["tokens_per_s"]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_model_is_built_on_its_training_device(tmp_path, stage, monkeypatch):
+    """Under ZeRO 0-2 the weights (the HF model's and the NSA modules') are created on the training
+    device, not initialised on the host and copied there by the engine. (On a CPU the device is the
+    host: the test means most on CUDA.)"""
+    from msa_train.trainer import Trainer
+
+    seen = {}
+    build = Trainer._build_parallelize
+
+    def record(self):  # before the engine, which would move the model anyway
+        seen["devices"], seen["want"] = {p.device.type for p in self.model.parameters()}, self.device.type
+        build(self)
+
+    monkeypatch.setattr(Trainer, "_build_parallelize", record)
+    Trainer(compose(["attention=nsa", "train.steps=1", "train.seq_len=128", f"parallel.zero_stage={stage}",
+                     f"train.output_dir={tmp_path}", *FAST]))
+    assert seen["devices"] == {seen["want"]}, seen

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -43,12 +44,14 @@ def run_point(recipe: str, attention: str, seq_len: int, steps: int, extra: List
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                      "--master-port", str(_free_port())]
         point["nproc"] = nproc
+    t0 = time.perf_counter()
     try:
         proc = subprocess.run([*launcher, "-m", "msa_train.cli", *args], env=env, capture_output=True,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired:  # recorded like any failed point; the others still run
         point["error"] = f"timeout after {timeout} s"
         return point
+    point["process_s"] = round(time.perf_counter() - t0, 2)  # start to exit, startup and teardown included
     point["ok"] = proc.returncode == 0
     if proc.returncode != 0:
         point["error"] = _oom(proc.stderr) or _error_line(proc.stderr)
@@ -148,6 +151,18 @@ def write_outputs(result: Dict, stem: Path) -> None:
                   "| attention | seq_len | forward | backward | optimizer step |", "|---|---|---|---|---|"]
         lines += [f"| {a} | {T:,} | " + " | ".join(f"{ph[k]:.2f}" for k in PHASES) + " |"
                   for (a, T), ph in sorted(phases.items(), key=by_point)]
+    timed = [(key, p) for key, p in sorted(table.items(), key=by_point) if p.get("process_s") and p.get("summary")]
+    if timed:
+        lines += ["", "Seconds of each point: the process from start to exit, its startup (the trainer's build "
+                  "steps, `startup_s`, with the longest) and its training loop (steps, compilation included):", "",
+                  "| attention | seq_len | process | startup | longest startup step | training loop |",
+                  "|---|---|---|---|---|---|"]
+        for (a, T), p in timed:
+            startup = p["summary"].get("startup_s") or {}
+            longest = max(startup.items(), key=lambda kv: kv[1], default=None)
+            lines.append(f"| {a} | {T:,} | {p['process_s']:.1f} | "
+                         + (f"{sum(startup.values()):.1f} | {longest[0]} {longest[1]:.1f}" if longest else "- | -")
+                         + f" | {p['summary']['wall_time_s']:.1f} |")
     for (a, T), p in sorted(table.items(), key=by_point):
         prof = p.get("profile")
         if not prof:

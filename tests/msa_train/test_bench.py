@@ -60,7 +60,13 @@ def test_a_point_on_two_processes_with_sequence_parallelism(tmp_path):
     assert point["summary"]["world_size"] == 2 and [r["step"] for r in point["records"]] == [1, 2]
     write_outputs({"recipe": "tiny", "device": "cpu", "attention": ["full"], "seq_lens": [256], "nproc": 2,
                    "points": [point | {"tokens_per_s": 1.0}]}, tmp_path / "e2e")
-    assert "tokens/s of the whole run on 2 processes" in (tmp_path / "e2e.md").read_text()
+    md = (tmp_path / "e2e.md").read_text()
+    assert "tokens/s of the whole run on 2 processes" in md
+    # where the point's time went: the process outlives its startup and its training loop together
+    startup = point["summary"]["startup_s"]
+    assert point["process_s"] > sum(startup.values()) + point["summary"]["wall_time_s"]
+    longest = max(startup, key=startup.get)
+    assert f"| full | 256 | {point['process_s']:.1f} | {sum(startup.values()):.1f} | {longest} " in md
 
 
 def test_phase_seconds_per_step_after_warmup(tmp_path):

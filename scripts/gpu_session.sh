@@ -16,7 +16,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for stage in $stages; do
   case $stage in
     tests)  # every kernel test on CUDA (bf16 against fp32 references)
-      timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider ${TESTS:-tests/kernels} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+      timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider -rf ${TESTS:-tests/kernels} > "$OUT/gpu_tests_full.log" 2>&1
+      grep -E "^(E |FAILED|ERROR)" "$OUT/gpu_tests_full.log" | head -40; tail -25 "$OUT/gpu_tests_full.log" | tee "$OUT/gpu_tests.log" ;;
     tiny)   # the default recipe on the GPU with the Flash-MSA kernels
       timeout 90 python3 -m msa_train.cli recipe=tiny attention=fmsa train.output_dir="$OUT/tiny_fmsa" \
         train.save_hf=false train.progress=false 2>&1 | tail -15 | tee "$OUT/tiny_fmsa.log"

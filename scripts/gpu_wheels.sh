@@ -14,7 +14,7 @@ PY=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps -d .
 WHEELS=(
   hydra-core==1.3.8 omegaconf==2.3.1
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
-  wandb==0.31.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  wandb==0.31.0 opentelemetry-api==1.45.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   sentry-sdk==2.75.0 gitpython==3.2.1 gitdb==4.0.12 smmap==5.0.3 platformdirs==4.14.8
   hjson==3.1.0 fla-core==0.6.0
   pytest-xdist==3.8.0 execnet==2.1.2

@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_build.py compares building on the host and on a GPU: it needs CUDA")
     cfg = compose(args.recipe, [f"attention={args.attention}", *args.overrides])
     torch.zeros(1, device="cuda")  # the CUDA context outside the timing
     times = {"host": [], "gpu": []}

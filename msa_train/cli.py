@@ -126,8 +126,32 @@ def _quiet_libraries() -> None:
     logging.getLogger("msa_train").setLevel(logging.INFO)
 
 
+def take_launcher_args(argv: list[str]) -> list[str]:
+    """Drop the ``--local_rank=N`` (or ``--local-rank N``) that the ``deepspeed`` launcher (and
+    the legacy ``torch.distributed.launch``) append to the command line, which Hydra would reject
+    as an override; ``LOCAL_RANK``, which those launchers also set, is taken from it if missing."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--local_rank", "--local-rank"):
+            if not eq:  # "--local_rank N"
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"msa-train: {name} needs a value")
+                value, i = argv[i + 1], i + 1
+            if not value.isdigit():
+                raise SystemExit(f"msa-train: {name} must be a non-negative integer, got {value!r}")
+            os.environ.setdefault("LOCAL_RANK", value)
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
 def main() -> None:
     import hydra
+
+    sys.argv[1:] = take_launcher_args(sys.argv[1:])
 
     if not (CONFIG_DIR / "config.yaml").is_file() or not RECIPE_DIR.is_dir():
         raise SystemExit(f"msa-train: no configs at {CONFIG_DIR} / recipes at {RECIPE_DIR}: the installation is "

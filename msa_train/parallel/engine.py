@@ -5,8 +5,9 @@ We call DeepSpeed directly (``deepspeed.initialize``; ZeRO-3 construction throug
 accelerate's DeepSpeed plugin because the trainer needs the engine's own API that accelerate hides
 or re-wraps: ``save_checkpoint`` / ``load_checkpoint`` into our atomic temp directory with a fixed
 tag, the LR scheduler built from the generated JSON, ``get_global_grad_norm``, and ZeRO-3 leaf
-modules. Launchers (torchrun, deepspeed, accelerate launch) only set environment variables, which
-:mod:`msa_train.parallel.distributed` reads, so all three work unchanged.
+modules. Launchers (torchrun, deepspeed, accelerate launch) set environment variables, which
+:mod:`msa_train.parallel.distributed` reads, so all three work unchanged (the ``--local_rank=N``
+that the deepspeed launcher also appends is dropped by :func:`msa_train.cli.take_launcher_args`).
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
 """Config errors fail before any work, naming the key and the allowed values; every recipe composes."""
+import os
+
 import pytest
 
 from msa_train.config import ParallelConfig, TrainConfig
@@ -59,6 +61,24 @@ def test_cli_reports_errors_before_any_work_and_help_lists_recipes(tmp_path):
     assert out.returncode == 0
     for recipe in RECIPES:
         assert recipe in out.stdout
+
+
+def test_deepspeed_launchers_local_rank_argument_is_taken_not_passed_to_hydra(monkeypatch):
+    from msa_train.cli import take_launcher_args
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert take_launcher_args(["--local_rank=3", "train.steps=2"]) == ["train.steps=2"]
+    assert os.environ["LOCAL_RANK"] == "3"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the launcher's environment wins
+    assert take_launcher_args(["train.steps=2", "--local-rank", "5"]) == ["train.steps=2"]
+    assert os.environ["LOCAL_RANK"] == "1"
+    with pytest.raises(SystemExit, match="--local_rank must be a non-negative integer, got 'x'"):
+        take_launcher_args(["--local_rank=x"])
+    with pytest.raises(SystemExit, match="--local_rank needs a value"):
+        take_launcher_args(["--local_rank"])
+    out = run_cli(["--local_rank=0", "recipe=tiny", "--cfg", "job"])  # as `deepspeed --module` runs it
+    assert out.returncode == 0, out.stderr
+    assert "local_rank" not in out.stdout and "recipe_name: tiny" in out.stdout
 
 
 def test_deepspeed_json_is_generated_from_the_typed_config():

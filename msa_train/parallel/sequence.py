@@ -6,7 +6,7 @@ loss) on them. Attention needs whole sequences (NSA selects blocks over all of t
 it an all-to-all turns the sequence-sharded ``[B, T/P, H, D]`` q/k/v (and NSA's per-head gates)
 into head-sharded ``[B, T, H/P, D]``: each rank attends over the whole sequence with ``H/P`` query
 heads and ``HK/P`` KV heads, and a second all-to-all brings the output back to the rank's tokens.
-This is the DeepSpeed-Ulysses scheme (../shared/DESIGN.md, data flow step 3).
+This is the DeepSpeed-Ulysses scheme.
 
 Groups: ranks ``[i*P, (i+1)*P)`` form SP group i, which is data-parallel rank i of ``W / P``.
 Gradients need no special handling: ZeRO averages them over all W ranks, and the trainer scales

@@ -3,7 +3,7 @@
 Both forms take one packed stream ``[T, H, D]`` plus ``cu_seqlens``; the public
 ``selected_attention(impl="reference")`` flattens a dense batch into that form.
 
-Semantics (DESIGN.md): query t of a sequence starting at ``s0`` attends, for its KV
+Semantics (the contract of selection/interface.py): query t of a sequence starting at ``s0`` attends, for its KV
 head, to the keys of the blocks named in ``block_indices[t]``: entry b >= 0 names keys
 ``[s0 + b*block_size, s0 + (b+1)*block_size)``. Entries of -1, entries past the query's
 own block, and keys after the query are ignored. A query with no key left outputs 0.

@@ -1,4 +1,5 @@
-"""ZeRO-2 / ZeRO-3 across 2 processes (torchrun, gloo) match one process with the same global batch.
+"""ZeRO-2 / ZeRO-3 across 2 processes (torchrun, or DeepSpeed's launcher; gloo) match one process with
+the same global batch.
 
 Both runs use the same ZeRO stage (ZeRO-3 builds the model under deepspeed.zero.Init, whose
 random initialisation differs from a plain build). One process with grad_accum=2 sees the same two packed sequences per step as two ranks with
@@ -6,11 +7,12 @@ grad_accum=1 (the sampler deals one global order round-robin), and the loss is t
 over the global batch in both, so the curves agree up to fp32 reduction order.
 """
 import socket
+import subprocess
 import sys
 
 import pytest
 
-from tests.msa_train._util import FAST, read_metrics, run_cli, train
+from tests.msa_train._util import FAST, REPO, env, read_metrics, run_cli, train
 
 STEPS = 4
 
@@ -43,3 +45,22 @@ def test_two_process_zero_matches_one_process(tmp_path, stage, attention):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
         assert b.get("eval_tokens") == a.get("eval_tokens")
     assert (tmp_path / "two" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_runs_the_cli(tmp_path):
+    # DeepSpeed's own launcher (what `deepspeed --num_gpus 2 --module msa_train.cli ...` runs) appends
+    # --local_rank=N to each rank's command line; the CLI drops it, and 2 ranks under ZeRO-2 follow
+    # one process with the same global batch
+    common = ["attention=full", "train.steps=2", "train.seq_len=256", *FAST, "parallel.zero_stage=2"]
+    _, ref = train([*common, "train.grad_accum=2", f"train.output_dir={tmp_path / 'one'}"])
+    cmd = [sys.executable, "-c", "from deepspeed.launcher.runner import main; main()", "--num_gpus", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(_port()), "--module", "msa_train.cli",
+           *common, "train.grad_accum=1", f"train.output_dir={tmp_path / 'two'}"]
+    out = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "'--local_rank=0'" in out.stdout + out.stderr  # the launcher did pass it
+    two = read_metrics(tmp_path / "two")
+    assert [r["step"] for r in two] == [1, 2]
+    for a, b in zip(ref, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)

@@ -65,6 +65,20 @@ def register_all() -> None:
     _register_help(HELP.replace("{recipes}", _recipe_lines()))
 
 
+def compose(overrides=(), typed: bool = True):
+    """The config ``msa-train OVERRIDES`` would run, through Hydra's compose API (for scripts and
+    tests): validated into the typed ``RootConfig``, or with ``typed=False`` Hydra's DictConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from msa_train.config import to_typed
+
+    register_all()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    return to_typed(cfg) if typed else cfg
+
+
 def run(cfg) -> dict:
     """Validate the composed config and train (or evaluate, with eval.only). Returns the run summary."""
     import torch

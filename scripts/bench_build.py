@@ -22,18 +22,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def compose(recipe: str, overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from msa_train.cli import CONFIG_DIR, register_all
-    from msa_train.config import to_typed
-
-    register_all()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return to_typed(hydra_compose(config_name="config", overrides=[f"recipe={recipe}", "data=generated", *overrides]))
-
-
 def build_once(cfg, where: str) -> float:
     from msa_train.models import build_model
 
@@ -65,7 +53,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_build.py compares building on the host and on a GPU: it needs CUDA")
-    cfg = compose(args.recipe, [f"attention={args.attention}", *args.overrides])
+    from msa_train.cli import compose
+
+    cfg = compose([f"recipe={args.recipe}", "data=generated", f"attention={args.attention}", *args.overrides])
     torch.zeros(1, device="cuda")  # the CUDA context outside the timing
     times = {"host": [], "gpu": []}
     for _ in range(args.repeat):

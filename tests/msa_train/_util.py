@@ -16,16 +16,9 @@ FAST = ["data.num_docs=48", "train.progress=false", "train.save_hf=false"]
 
 def compose(overrides: Sequence[str] = ()):
     """Compose + validate the config for ``overrides`` (the same path as ``msa-train``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from msa_train.cli import compose as cli_compose
 
-    from msa_train.cli import CONFIG_DIR, register_all
-    from msa_train.config import to_typed
-
-    register_all()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    return to_typed(cfg)
+    return cli_compose(overrides)
 
 
 def train(overrides: Sequence[str], stop_after=None):

@@ -178,19 +178,14 @@ def test_offload_and_tiles_lower_cuda_memory():
 
 def test_out_of_memory_names_the_options_the_run_does_not_use(monkeypatch):
     """The CLI re-raises a CUDA OOM with the memory options this run has not turned on."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
     from msa_train import cli
     from msa_train.trainer import Trainer
-    from tests.msa_train._util import REPO
 
     def oom(self):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB.")
 
     monkeypatch.setattr(Trainer, "__init__", lambda self, cfg: None)
     monkeypatch.setattr(Trainer, "run", oom)
-    cli.register_all()
     for overrides, named, not_named in [
         (["train.seq_len=4096"], ["activation_checkpointing=true", "tile_tokens=32768",
                                   "offload_activations=true", "parallel=zero2 parallel.offload_optimizer=true parallel.optimizer=deepspeed",
@@ -200,8 +195,7 @@ def test_out_of_memory_names_the_options_the_run_does_not_use(monkeypatch):
          ["activation_checkpointing", "tile_tokens=", "offload_activations"]),
         (["train.loss_impl=recompute"], ["activation_checkpointing=true"], ["loss_impl"]),
     ]:
-        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=overrides)
+        cfg = cli.compose(overrides, typed=False)
         with pytest.raises(torch.OutOfMemoryError) as err:
             cli.run(cfg)
         text = str(err.value)

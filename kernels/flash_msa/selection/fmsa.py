@@ -211,7 +211,6 @@ def fmsa_bwd_dkdv_kernel(
     k_lo, c0, hk0, NB, scale2, scale,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, SEG: tl.constexpr, WRITE_DQ: tl.constexpr, HKG: tl.constexpr,
-    WS: tl.constexpr = False,
 ):
     # one program per segment of at most SEG rows of one key, so that a block selected by
     # every query (block 0) is spread over many programs instead of serialising the launch.
@@ -234,7 +233,7 @@ def fmsa_bwd_dkdv_kernel(
     _, _, p_acc = _block_keys(block_start, block_end, i_b, i_hk - hk0, HKG, D, BS)  # in dk / dv
     b_dk = tl.zeros([BS, D], dtype=tl.float32)
     b_dv = tl.zeros([BS, D], dtype=tl.float32)
-    for i_r in tl.range(r_begin, r_end, BM, warp_specialize=WS):
+    for i_r in range(r_begin, r_end, BM):
         o_r = i_r + tl.arange(0, BM)
         m_r = o_r < r_end
         b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # int32, as in the forward
@@ -385,8 +384,6 @@ FWD_MAXNREG = 128
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 3
 # Register cap of the dk/dv kernel (0: none; the compiler then takes 255 at every tile size measured)
 BWD_MAXNREG = 0
-# Triton's automatic warp specialization (tl.range(..., warp_specialize=True)) of the dk/dv loop
-BWD_WS = False
 # Warps of a merge program (one token, the G heads of one KV head: a [G, D] tile per slot). One
 # warp for G <= 8, where a program's 16 slot loads then take 16-byte vectors per thread: forward
 # at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
@@ -560,7 +557,7 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
-            num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q), **({"WS": True} if BWD_WS else {}))
+            num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
         final = i_c == csr.num_chunks - 1  # these KV heads are done: the sums of every block go to dk, dv
         n_red = NB if final else nbc  # (the last chunk's nbc is NB too)
         fmsa_bwd_dkdv_reduce_kernel[(HKG * n_red,)](

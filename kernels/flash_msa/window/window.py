@@ -110,7 +110,7 @@ def _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
 def range_attn_fwd_kernel(
     q, k, v, o, lse, lo, hi, mid, o_loc, lse_loc, scale2, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, LOCAL: tl.constexpr, WS: tl.constexpr = False,
+    BM: tl.constexpr, BN: tl.constexpr, LOCAL: tl.constexpr,
 ):
     # LOCAL: keys [mid, hi) first, whose partial output and lse (log2) go to o_loc / lse_loc
     # (selected attention's last blocks, flash_msa/fused.py), then [lo, mid) on the same state
@@ -141,7 +141,7 @@ def range_attn_fwd_kernel(
         b_lo, b_hi, n_start, a, b, n_end = _query_tile_keys(lo, hi, o_t, m_m, BN)
     for n0 in range(n_start, a, BN):
         b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
-    for n0 in tl.range(a, b, BN, warp_specialize=WS):
+    for n0 in range(a, b, BN):
         b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, False)
     for n0 in range(b, n_end, BN):
         b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
@@ -193,7 +193,7 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_lse2, b_delta2, b_dq, k, v, b_lo, b_hi
 def range_attn_bwd_dq_kernel(
     q, k, v, do, lse, delta, dq, lo, hi, mid, lse2, delta2, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr, LOCAL: tl.constexpr, WS: tl.constexpr = False,
+    BM: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr, LOCAL: tl.constexpr,
 ):
     # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32.
     # LOCAL: keys [mid, hi) are also in a second softmax, lse2 (log2) and delta2 (the forward's
@@ -228,7 +228,7 @@ def range_attn_bwd_dq_kernel(
     for n0 in range(n_start, a, BN):
         b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
                         HK, D, BD, BN, True, False)
-    for n0 in tl.range(a, b, BN, warp_specialize=WS):
+    for n0 in range(a, b, BN):
         b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, n0, n_end, i_h, scale2,
                         HK, D, BD, BN, False, False)
     for n0 in range(b, n_end, BN):
@@ -289,7 +289,7 @@ def _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta
 def range_attn_bwd_dkdv_kernel(
     q, k, v, do, lse, delta, dk, dv, lo, hi, qlo, qhi, mid, qmid, lse2, delta2, scale2, scale, T, Tk,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, LOCAL: tl.constexpr, WS: tl.constexpr = False,
+    BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, LOCAL: tl.constexpr,
 ):
     # one program per (key tile, KV head), a 1-D grid ordered tile-major (the KV heads of a tile
     # are neighbours), see DKDV_DESC. LOCAL (rows upwards only): key row s is also in the second
@@ -346,7 +346,7 @@ def range_attn_bwd_dkdv_kernel(
         for m0 in range(r_start, a, BM):
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
                                     HQ, G, D, BD, BM, True, False)
-        for m0 in tl.range(a, b, BM, warp_specialize=WS):
+        for m0 in range(a, b, BM):
             b_dk, b_dv = _dkdv_step(b_k, b_v, b_dk, b_dv, q, do, lse, delta, lo, hi, mid, lse2, delta2, o_n, m0, r_end, i_h, scale2,
                                     HQ, G, D, BD, BM, False, False)
         for m0 in range(b, r_end, BM):

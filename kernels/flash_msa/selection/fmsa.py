@@ -40,7 +40,6 @@ import triton.language as tl
 from flash_msa.utils.csr import (
     SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule)
 from flash_msa.utils.validation import check_triton_device
-from flash_msa.selection import fmsa_gluon_ws
 from flash_msa.utils.varlen import flatten_batch
 
 LOG2E = 1.4426950408889634
@@ -385,9 +384,6 @@ FWD_MAXNREG = 128
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 3
 # Register cap of the dk/dv kernel (0: none; the compiler then takes 255 at every tile size measured)
 BWD_MAXNREG = 0
-# The dk/dv kernel in Gluon with warp specialization on Hopper (selection/fmsa_gluon_ws.py), where it
-# takes the inputs. Experimental.
-BWD_GLUON_WS = False
 # Warps of a merge program (one token, the G heads of one KV head: a [G, D] tile per slot). One
 # warp for G <= 8, where a program's 16 slot loads then take 16-byte vectors per thread: forward
 # at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
@@ -550,23 +546,18 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
                 raise ValueError(f"dkv's {name} must be a contiguous {k.dtype} tensor of k's shape {tuple(k.shape)}, "
                                  f"got {tuple(x.shape)} {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}")
     write_dq = dq_partial is not None
-    gluon_ws = BWD_GLUON_WS and SEG % fmsa_gluon_ws.BM == 0 and fmsa_gluon_ws.supported(q, BS)
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         if i_c == 0:
             dk_acc.zero_()
             dv_acc.zero_()
         nbc = chunk_blocks(csr, i_c)
         entries = min(Tc, T - c0) * HKG * S
-        grid = (tile_bound(entries, G, SEG, HKG * nbc),)
-        args = (q, k, v, do, lse, delta, dk_acc, dv_acc, dkp, dvp, dq_partial if write_dq else dk_acc,
-                csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
-                meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale)
-        const = dict(HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG)
-        if gluon_ws:
-            fmsa_gluon_ws.launch(grid, args, const)
-        else:
-            fmsa_bwd_dkdv_kernel[grid](*args, **const, BM=BM, num_warps=BWD_WARPS, num_stages=BWD_STAGES,
-                                       **_reg_cap(BWD_MAXNREG, q))
+        fmsa_bwd_dkdv_kernel[(tile_bound(entries, G, SEG, HKG * nbc),)](
+            q, k, v, do, lse, delta, dk_acc, dv_acc, dkp, dvp, dq_partial if write_dq else dk_acc,
+            csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
+            meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
+            num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
         final = i_c == csr.num_chunks - 1  # these KV heads are done: the sums of every block go to dk, dv
         n_red = NB if final else nbc  # (the last chunk's nbc is NB too)
         fmsa_bwd_dkdv_reduce_kernel[(HKG * n_red,)](

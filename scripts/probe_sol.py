@@ -8,6 +8,10 @@ Forward main kernel (``fmsa_fwd_kernel``), per variant:
   copy       gathers the q rows and writes them as the partials: the kernel's bytes, no matmul
   gather     gathers the q rows, writes one fp32 per row: the gather alone
   store      writes K as each tile's partials, no gather: the partial writes alone
+  *_seq      full, copy and store with the partial rows written in the index's order instead (a key's
+             rows consecutive: one 16 KB run per tile instead of 1 KB per entry), as a CSR-ordered
+             partial layout would write them (wrapped into the buffer; not a working layout)
+Baselines in the same run: ``fill_`` and ``copy_`` of the partition buffer, once per partition.
 dk/dv kernel (``fmsa_bwd_dkdv_kernel``):
   full       the shipped math (dq parts and dk/dv checked bit for bit against the shipped kernel's)
   contiguous the same math on contiguous q / do rows (2 pipeline stages: see bwd_launcher)
@@ -39,12 +43,13 @@ from flash_msa.selection import fmsa  # noqa: E402
 from flash_msa.selection.fmsa import _block_keys, _partial_rows  # noqa: E402
 from flash_msa.utils.csr import build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule  # noqa: E402
 
-FWD_MODES = {"full": 0, "contiguous": 1, "copy": 2, "gather": 3, "store": 4}
+FWD_MODES = {"full": 0, "contiguous": 1, "copy": 2, "gather": 3, "store": 4,
+             "full_seq": 5, "copy_seq": 6, "store_seq": 7}
 BWD_MODES = {"full": 0, "contiguous": 1, "copy": 2}
 
 
 @triton.jit
-def _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2, NQ,
+def _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2, NQ, NP,
                   HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                   HKG: tl.constexpr, MODE: tl.constexpr):
     o_d = tl.arange(0, D)
@@ -56,9 +61,12 @@ def _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk
         o_h = ((i_e0 * G + o_r) % NQ).to(tl.int64)
     else:
         o_h = b_t.to(tl.int64) * HQ + i_hk * G + b_g
-    o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)
+    if MODE >= 5:  # the key's rows in index order, wrapped into the buffer's NP rows
+        o_p = (i_e0 * G + o_r) % NP
+    else:
+        o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)
     p_out = po + o_p.to(tl.int64)[:, None] * D + o_d[None, :]
-    if MODE <= 1:
+    if MODE <= 1 or MODE == 5:
         b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale2
         m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
@@ -69,7 +77,7 @@ def _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk
         b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]
         tl.store(p_out, b_o.to(po.dtype.element_ty), mask=m_r[:, None])
         tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
-    elif MODE == 2:
+    elif MODE == 2 or MODE == 6:
         b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
         tl.store(p_out, b_q.to(po.dtype.element_ty), mask=m_r[:, None])
         tl.store(plse + o_p, b_t.to(tl.float32), mask=m_r)
@@ -84,7 +92,7 @@ def _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk
 @triton.jit
 def sol_fwd_kernel(
     q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first,
-    block_start, block_end, k_lo, c0, hk0, NB, scale2, NQ,
+    block_start, block_end, k_lo, c0, hk0, NB, scale2, NQ, NP,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr, MODE: tl.constexpr,
 ):
@@ -104,7 +112,7 @@ def sol_fwd_kernel(
     for i_j in range(NT):
         if r0 + i_j * BM < n_rows:
             _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
-                          i_hk, c0, hk0, scale2, NQ, HQ, HK, G, S, D, HKG, MODE)
+                          i_hk, c0, hk0, scale2, NQ, NP, HQ, HK, G, S, D, HKG, MODE)
 
 
 @triton.jit
@@ -213,7 +221,7 @@ def fwd_launcher(q, k, v, bi, csr, HKG, scale, mode):
             if mode is None:
                 fmsa.fmsa_fwd_kernel[grid](*args, **kw)
             else:
-                sol_fwd_kernel[grid](*args, T * HQ, **kw, MODE=FWD_MODES[mode])
+                sol_fwd_kernel[grid](*args, T * HQ, rows, **kw, MODE=FWD_MODES[mode])
     return run, po, plse
 
 
@@ -288,6 +296,22 @@ def probe(T, HK, G, D, bs, S, seed=0):
     # the merge alone, on the shipped forward's partitions (the shipped forward minus its main kernels)
     row["fmsa_forward_ms"] = bench(lambda: fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG))
 
+    n_part = len(list(fmsa._partitions(csr, HKG)))
+    buf = torch.empty(fmsa.partition_rows(T, chunk, HKG, G, S), D, device=device, dtype=q.dtype)
+    src = torch.randn_like(buf)
+
+    def fill():
+        for _ in range(n_part):
+            buf.fill_(1.0)
+
+    def copy():
+        for _ in range(n_part):
+            buf.copy_(src)
+    row["partition_buffer_gb"] = buf.numel() * buf.element_size() / 1e9
+    row["partitions"] = n_part
+    row["fill_ms"] = bench(fill)
+    row["copy_ms"] = bench(copy)
+    del buf, src
     ref_run, ref_po, ref_plse = fwd_launcher(q, k, v, bi, csr, HKG, scale, None)
     row["fwd_shipped_ms"] = bench(ref_run)
     ref_run()
@@ -337,6 +361,9 @@ def main():
     res = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__, triton=triton.__version__, rows=rows)
     with open(os.path.join(args.out, "probe_sol_h200.json"), "w") as f:
         json.dump(res, f, indent=1)
+    for r in rows:
+        print(f"G={r['G']}: {r['partitions']} partitions of {r['partition_buffer_gb']:.3f} GB: fill_ {r['fill_ms']:.2f} ms, "
+              f"copy_ {r['copy_ms']:.2f} ms; gathered rows {r['gathered_gb']:.2f} GB; shipped forward {r['fmsa_forward_ms']:.2f} ms")
     print("\n| G | kernel | shipped | " + " | ".join(FWD_MODES) + " |")
     for r in rows:
         print(f"| {r['G']} | forward main | {r['fwd_shipped_ms']:.2f} | "

@@ -226,7 +226,8 @@ def fwd_launcher(q, k, v, bi, csr, HKG, scale, mode):
 
 
 def bwd_launcher(q, k, v, do, lse, delta, bi, csr, HKG, scale, mode):
-    """All partitions' dk/dv kernels (the shipped one for mode None), without the reductions."""
+    """All partitions' dk/dv kernels (the shipped one for mode None), without the reductions; every
+    variant's timing includes the two fp32 zero fills of the [T, HKG, D] accumulators, as fmsa's."""
     T, HQ, D = q.shape
     HK, S = k.shape[1], bi.shape[-1]
     G = HQ // HK
@@ -293,7 +294,7 @@ def probe(T, HK, G, D, bs, S, seed=0):
     # partial bytes of all partitions: gathered q rows = partial rows = valid entries * G
     n_rows = int((csr.key_offsets[-1] - csr.key_offsets[0]).item()) * G
     row["gathered_gb"] = n_rows * D * 2 / 1e9
-    # the merge alone, on the shipped forward's partitions (the shipped forward minus its main kernels)
+    # the whole shipped forward (tile schedule, main kernels, merges): the merge's share is this minus fwd_shipped_ms
     row["fmsa_forward_ms"] = bench(lambda: fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG))
 
     n_part = len(list(fmsa._partitions(csr, HKG)))
@@ -340,7 +341,6 @@ def probe(T, HK, G, D, bs, S, seed=0):
             row["dkdv_full_bitwise"] = bool(all(torch.equal(a, b) for a, b in zip(out, ref_out)))
         bwd[mode] = bench(run)
     row["dkdv_ms"] = bwd
-    # the shipped dk/dv timing includes two fp32 zero fills of [T, HKG, D] (as fmsa does per KV head)
     return row
 
 

@@ -8,6 +8,9 @@ Forward main kernel (``fmsa_fwd_kernel``), per variant:
   copy       gathers the q rows and writes them as the partials: the kernel's bytes, no matmul
   gather     gathers the q rows, writes one fp32 per row: the gather alone
   store      writes K as each tile's partials, no gather: the partial writes alone
+  shipped_tma the shipped kernel with FWD_TMA: partials by TMA bulk copies into tile order
+  full_tma   full's math, partials in CSR order by TMA bulk copies (a descriptor per program, clipped
+             at the key's last row); store_tma: those copies alone, no gather
   *_seq      full, copy and store with the partial rows written in the index's order instead (a key's
              rows consecutive: one 16 KB run per tile instead of 1 KB per entry), as a CSR-ordered
              partial layout would write them (wrapped into the buffer; not a working layout)
@@ -39,12 +42,14 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_selected import make_indices, useful_flops  # noqa: E402
 
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
 from flash_msa.selection import fmsa  # noqa: E402
 from flash_msa.selection.fmsa import _block_keys, _partial_rows  # noqa: E402
 from flash_msa.utils.csr import build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule  # noqa: E402
 
 FWD_MODES = {"full": 0, "contiguous": 1, "copy": 2, "gather": 3, "store": 4,
-             "full_seq": 5, "copy_seq": 6, "store_seq": 7}
+             "full_seq": 5, "copy_seq": 6, "store_seq": 7, "full_tma": 8, "store_tma": 9}
 BWD_MODES = {"full": 0, "contiguous": 1, "copy": 2}
 
 
@@ -90,6 +95,33 @@ def _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk
 
 
 @triton.jit
+def _sol_fwd_tma(q, desc, plse, entry_ids, b_k, b_v, o_k, i_r, n_rows, i_e0, i_base, i_hk, scale2,
+                 HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
+                 BM: tl.constexpr, MODE: tl.constexpr):
+    # full_tma / store_tma: rows i_r + [0, BM) of the key, partials in CSR order by TMA store
+    o_d = tl.arange(0, D)
+    o_r = i_r + tl.arange(0, BM)
+    m_r = o_r < n_rows
+    b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)
+    b_t = b_e // (HK * S)
+    if MODE == 8:
+        o_h = b_t.to(tl.int64) * HQ + i_hk * G + o_r % G
+        b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2
+        m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
+        b_p = tl.exp2(b_s - b_m[:, None])
+        b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
+        b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]
+        desc.store([i_r, 0], b_o.to(desc.dtype))
+        tl.store(plse + i_base + o_r, b_m + tl.log2(b_l), mask=m_r)
+    else:
+        desc.store([i_r, 0], b_k.to(desc.dtype))
+        tl.store(plse + i_base + o_r, b_t.to(tl.float32), mask=m_r)
+
+
+@triton.jit
 def sol_fwd_kernel(
     q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first,
     block_start, block_end, k_lo, c0, hk0, NB, scale2, NQ, NP,
@@ -109,10 +141,22 @@ def sol_fwd_kernel(
     o_k, m_k, p_kv = _block_keys(block_start, block_end, i_key % NB, i_hk, HK, D, BS)
     b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)
     b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
-    for i_j in range(NT):
-        if r0 + i_j * BM < n_rows:
-            _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
-                          i_hk, c0, hk0, scale2, NQ, NP, HQ, HK, G, S, D, HKG, MODE)
+    if MODE >= 8:
+        # CSR-ordered partials (a key's rows consecutive from its first entry's row in the partition),
+        # each tile written by one TMA store through a descriptor that ends at the key's last row, so
+        # that a tile's rows past it are clipped by the copy engine, not written over the next key's
+        i_base = (i_e0 - tl.load(key_offsets + k_lo)) * G
+        desc = tl.make_tensor_descriptor(po + i_base.to(tl.int64) * D, shape=[n_rows, D], strides=[D, 1],
+                                         block_shape=[BM, D])
+        for i_j in range(NT):
+            if r0 + i_j * BM < n_rows:
+                _sol_fwd_tma(q, desc, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM, n_rows, i_e0, i_base,
+                             i_hk, scale2, HQ, HK, G, S, D, BM, MODE)
+    else:
+        for i_j in range(NT):
+            if r0 + i_j * BM < n_rows:
+                _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows,
+                              i_e0, i_hk, c0, hk0, scale2, NQ, NP, HQ, HK, G, S, D, HKG, MODE)
 
 
 @triton.jit
@@ -207,6 +251,11 @@ def fwd_launcher(q, k, v, bi, csr, HKG, scale, mode):
     rows = fmsa.partition_rows(T, Tc, HKG, G, S)
     po = torch.zeros(rows, D, device=q.device, dtype=q.dtype)  # zeros: rows no partition writes compare equal
     plse = torch.zeros(rows, device=q.device, dtype=torch.float32)
+    if mode == "shipped_tma":  # fmsa_fwd_kernel with TMA: tile-ordered buffer, descriptor, entry rows
+        po = torch.zeros(tile_bound(min(Tc, T) * HKG * S, G, R, HKG * meta.num_blocks) * R, D, device=q.device,
+                         dtype=q.dtype)
+        desc = TensorDescriptor.from_tensor(po, [BM, D])
+        pidx = torch.zeros(rows // G, device=q.device, dtype=torch.int32)
     launches = []
     for i_c, c0, hk0, k_lo in fmsa._partitions(csr, HKG):
         grid = (tile_bound(min(Tc, T - c0) * HKG * S, G, R, HKG * fmsa.chunk_blocks(csr, i_c)),)
@@ -218,8 +267,10 @@ def fwd_launcher(q, k, v, bi, csr, HKG, scale, mode):
 
     def run():
         for grid, args, kw in launches:
-            if mode is None:
-                fmsa.fmsa_fwd_kernel[grid](*args, **kw)
+            if mode is None:  # the shipped kernel, partials in entry order (pidx unused)
+                fmsa.fmsa_fwd_kernel[grid](*args[:5], plse, *args[5:], **kw, TMA=False)
+            elif mode == "shipped_tma":
+                fmsa.fmsa_fwd_kernel[grid](*args[:3], desc, plse, pidx, *args[5:], **kw, TMA=True)
             else:
                 sol_fwd_kernel[grid](*args, T * HQ, rows, **kw, MODE=FWD_MODES[mode])
     return run, po, plse
@@ -267,6 +318,21 @@ def bwd_launcher(q, k, v, do, lse, delta, bi, csr, HKG, scale, mode):
     return run, (dqp, dk_acc, dv_acc, dkp, dvp)
 
 
+def csr_rows(csr, HKG, G, S):
+    """The last partition's partial rows in CSR order (full_tma) and in the shipped layout, paired."""
+    HK, NB = csr.HK, csr.meta.num_blocks
+    _, c0, hk0, k_lo = list(fmsa._partitions(csr, HKG))[-1]
+    e_lo, e_hi = csr.key_offsets[k_lo].item(), csr.key_offsets[k_lo + HKG * NB].item()
+    e = csr.entry_ids[e_lo:e_hi].long()
+    g = torch.arange(G, device=e.device)
+    t, hk, slot = e // (HK * S), (e // S) % HK, e % S
+    if HKG == HK:
+        ref = (e - c0 * HK * S)[:, None] * G + g
+    else:
+        ref = (((t - c0) * HKG + (hk - hk0)) * S + slot)[:, None] * G + g
+    return (torch.arange(e_hi - e_lo, device=e.device)[:, None] * G + g).flatten(), ref.flatten()
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -279,8 +345,10 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-def probe(T, HK, G, D, bs, S, seed=0):
+def probe(T, HK, G, D, bs, S, seed=0, modes=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # full_tma / store_tma build their TMA descriptors in the kernel: 128 B of global scratch each
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
     q, k, v, do, bi, cu = setup(T, HK, G, D, bs, S, device, seed)
     scale = D ** -0.5
     HQ = HK * G
@@ -296,6 +364,18 @@ def probe(T, HK, G, D, bs, S, seed=0):
     row["gathered_gb"] = n_rows * D * 2 / 1e9
     # the whole shipped forward (tile schedule, main kernels, merges): the merge's share is this minus fwd_shipped_ms
     row["fmsa_forward_ms"] = bench(lambda: fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG))
+    # the same with FWD_TMA (partials by TMA bulk copies in tile order), checked bit for bit
+    o_ref = fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG)
+    fmsa.FWD_TMA = True
+    try:
+        if fmsa._fwd_tma(q):
+            o_tma = fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG)
+            row["fmsa_forward_tma_bitwise"] = all(torch.equal(a, b) for a, b in zip(o_ref, o_tma))
+            del o_tma
+            row["fmsa_forward_tma_ms"] = bench(lambda: fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG))
+    finally:
+        fmsa.FWD_TMA = False
+    del o_ref
 
     n_part = len(list(fmsa._partitions(csr, HKG)))
     buf = torch.empty(fmsa.partition_rows(T, chunk, HKG, G, S), D, device=device, dtype=q.dtype)
@@ -318,13 +398,22 @@ def probe(T, HK, G, D, bs, S, seed=0):
     ref_run()
     sync()
     fwd = {}
-    for mode in FWD_MODES:
+    for mode in modes or [*FWD_MODES, "shipped_tma"]:
+        if mode in BWD_MODES and mode not in FWD_MODES:
+            continue
         run, po, plse = fwd_launcher(q, k, v, bi, csr, HKG, scale, mode)
         if mode == "full":
             run()
             sync()
             # one partition's buffer: the last partition's rows are what both buffers hold
             row["fwd_full_bitwise"] = bool(torch.equal(po, ref_po) and torch.equal(plse, ref_plse))
+        if mode == "full_tma":
+            run()
+            sync()
+            # the last partition's partials in CSR order against the shipped layout's, row by row
+            rows_csr, rows_ref = csr_rows(csr, HKG, G, S)
+            row["fwd_tma_bitwise"] = bool(torch.equal(po[rows_csr], ref_po[rows_ref])
+                                          and torch.equal(plse[rows_csr], ref_plse[rows_ref]))
         fwd[mode] = bench(run)
     row["fwd_ms"] = fwd
 
@@ -333,7 +422,7 @@ def probe(T, HK, G, D, bs, S, seed=0):
     ref_bwd()
     sync()
     bwd = {}
-    for mode in BWD_MODES:
+    for mode in BWD_MODES if modes is None else [m for m in modes if m in BWD_MODES]:
         run, out = bwd_launcher(q, k, v, do, lse, delta, bi, csr, HKG, scale, mode)
         if mode == "full":
             run()
@@ -351,11 +440,13 @@ def main():
     ap.add_argument("--HK", type=int, default=8)
     ap.add_argument("--Gs", default="4,5")
     ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--modes", default=None, help="comma-separated variants to run (default all); "
+                    "names shared by both kernels run in both")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for G in (int(g) for g in args.Gs.split(",")):
-        row = probe(args.T, args.HK, G, args.D, 64, 16)
+        row = probe(args.T, args.HK, G, args.D, 64, 16, modes=args.modes.split(",") if args.modes else None)
         rows.append(row)
         print(json.dumps(row), flush=True)
     res = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__, triton=triton.__version__, rows=rows)
@@ -363,11 +454,12 @@ def main():
         json.dump(res, f, indent=1)
     for r in rows:
         print(f"G={r['G']}: {r['partitions']} partitions of {r['partition_buffer_gb']:.3f} GB: fill_ {r['fill_ms']:.2f} ms, "
-              f"copy_ {r['copy_ms']:.2f} ms; gathered rows {r['gathered_gb']:.2f} GB; shipped forward {r['fmsa_forward_ms']:.2f} ms")
-    print("\n| G | kernel | shipped | " + " | ".join(FWD_MODES) + " |")
+              f"copy_ {r['copy_ms']:.2f} ms; gathered rows {r['gathered_gb']:.2f} GB; shipped forward {r['fmsa_forward_ms']:.2f} ms, "
+              f"with FWD_TMA {r.get('fmsa_forward_tma_ms', float('nan')):.2f} ms")
+    print("\n| G | kernel | shipped | " + " | ".join([*FWD_MODES, "shipped_tma"]) + " |")
     for r in rows:
         print(f"| {r['G']} | forward main | {r['fwd_shipped_ms']:.2f} | "
-              + " | ".join(f"{r['fwd_ms'][m]:.2f}" for m in FWD_MODES) + " |")
+              + " | ".join(f"{r['fwd_ms'].get(m, float('nan')):.2f}" for m in [*FWD_MODES, "shipped_tma"]) + " |")
         print(f"| {r['G']} | dk/dv | {r['dkdv_shipped_ms']:.2f} | "
               + " | ".join(f"{r['dkdv_ms'].get(m, float('nan')):.2f}" for m in FWD_MODES) + " |")
 

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from flash_msa.utils.csr import (
     SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule)
 from flash_msa.utils.validation import check_triton_device
@@ -86,10 +88,11 @@ def _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK: tl.constexpr, G: tl.constexp
 
 
 @triton.jit
-def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2,
+def _fwd_rows(q, po, plse, pidx, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2, i_tma,
               HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-              HKG: tl.constexpr):
-    # rows o_r [BM] of one key against its block's K/V [BS, D]: partial output and lse
+              HKG: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr):
+    # rows o_r [BM] of one key against its block's K/V [BS, D]: partial output and lse.
+    # TMA: po is a descriptor of the tile-ordered partial buffer, whose row i_tma this tile fills
     o_d = tl.arange(0, D)
     m_r = o_r < n_rows
     # index arithmetic in int32 (entry ids < 2^31: build_selection_csr; partial rows < 2^31:
@@ -111,20 +114,28 @@ def _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0
     b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
     b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]  # [BM, D] normalised partial output
     o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)  # [BM]
-    tl.store(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
+    if TMA:
+        # one asynchronous bulk copy of the whole tile (its rows past the key's last are padding
+        # that nothing reads), and the tile row of each entry's first head for the merge
+        po.store([i_tma, 0], b_o.to(po.dtype))
+        tl.store(pidx + o_p // G, i_tma + o_r % BM, mask=m_r & (b_g == 0))  # o_r starts at a multiple of BM
+    else:
+        tl.store(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_o.to(po.dtype.element_ty), mask=m_r[:, None])
     tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
 
 
 @triton.jit
 def fmsa_fwd_kernel(
-    q, k, v, po, plse, entry_ids, key_offsets, tile_key, tile_first,
+    q, k, v, po, plse, pidx, entry_ids, key_offsets, tile_key, tile_first,
     block_start, block_end, k_lo, c0, hk0, NB, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr,
+    BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr, TMA: tl.constexpr,
 ):
     # One program per group of NT*BM rows of one key (the schedule's "tiles" are these groups):
     # the block's K/V are loaded once, then NT row tiles of BM rows. The partition's keys are
-    # [k_lo, k_lo + HKG * NB); programs past its last group do nothing.
+    # [k_lo, k_lo + HKG * NB); programs past its last group do nothing. With TMA the partial
+    # outputs go in tile order (program p's tiles fill rows [p * NT * BM, (p + 1) * NT * BM)) by
+    # bulk copies, and pidx maps each entry to its first row there.
     i_end = tl.load(tile_first + k_lo + HKG * NB)
     i_grp = tl.load(tile_first + k_lo) + tl.program_id(0)
     if i_grp >= i_end:
@@ -139,16 +150,18 @@ def fmsa_fwd_kernel(
     b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
     for i_j in range(NT):
         if r0 + i_j * BM < n_rows:
-            _fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
-                      i_hk, c0, hk0, scale2, HQ, HK, G, S, D, HKG)
+            _fwd_rows(q, po, plse, pidx, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
+                      i_hk, c0, hk0, scale2, (tl.program_id(0) * NT + i_j) * BM, HQ, HK, G, S, D, HKG, TMA, BM)
 
 
 @triton.jit
 def fmsa_merge_kernel(
-    po, plse, o, lse, block_indices, tok_start, c0, hk0, T,
+    po, plse, pidx, o, lse, block_indices, tok_start, c0, hk0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr, HKG: tl.constexpr, LOCAL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
+    # TMA: the partial outputs are in the main kernel's tile order, each entry's first row in pidx
     # LOCAL > 0: the token's last LOCAL blocks are not in the partials (the CSR left them out);
     # o / lse hold their partial output and lse (log2) on entry, written by the window kernel
     # (flash_msa/fused.py), which this merges first.
@@ -186,7 +199,9 @@ def fmsa_merge_kernel(
         m_v = (b_iv >= 0) & (b_iv <= own - LOCAL) & m_g
         o_p = (o_row + i_s) * G + o_g  # [BG]
         b_w = tl.exp2(tl.load(plse + o_p, mask=m_v, other=float("-inf")) - b_m)
-        b_o = tl.load(po + o_p[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
+        if TMA:
+            o_p = tl.load(pidx + (o_row + i_s) + tl.zeros([BG], dtype=tl.int64), mask=m_v, other=0) + o_g
+        b_o = tl.load(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
         b_acc += b_o * b_w[:, None]
     b_l = tl.where(b_ok, b_l, 1.)
     tl.store(o + o_h[:, None] * D + o_d[None, :], (b_acc / b_l[:, None]).to(o.dtype.element_ty), mask=m_g[:, None])
@@ -376,6 +391,10 @@ FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
 # (selected_variants_h200.log, fourth run); with them, uncapped 10.00 against 9.35 ms at G=4
 # and 11.87 against 11.37 at G=5 (selected_variants4_h200.log).
 FWD_MAXNREG = 128
+# FWD_TMA: the forward's partial outputs written tile by tile by TMA bulk copies (asynchronous:
+# a tile's write runs under the next tile's matmuls) into a tile-ordered buffer, which the merge
+# reads through a per-entry row index, instead of row by row from registers in entry order.
+FWD_TMA = False
 # BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
 # load ahead, so the next tile's q/do gather, double-buffered, needs no second round trip): forward +
 # backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5
@@ -390,6 +409,14 @@ BWD_MAXNREG = 0
 # (15.21 against 15.48 with one); benchmarks/results/selected_variants5_h200.log. The dq
 # reduction (same shape) measured the same with 1, 2 or 4 warps and keeps the default 4.
 MERGE_WARPS_SMALL_G = 1
+
+
+def _fwd_tma(q: torch.Tensor) -> bool:
+    """Whether the forward writes its partials by TMA (FWD_TMA): Hopper or later, or the CPU
+    interpreter, which emulates the copies."""
+    if not FWD_TMA:
+        return False
+    return not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9
 
 
 def _reg_cap(cap: int, x: torch.Tensor) -> dict:
@@ -499,20 +526,29 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
         o = torch.empty_like(q)
         lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
     rows = partition_rows(T, Tc, HKG, G, S)
-    po = torch.empty(rows, D, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype)
+    tma = _fwd_tma(q)
+    pdt = torch.float32 if q.dtype == torch.float32 else q.dtype
+    if tma:  # tile order: every program's NT * BM rows, the last tile of each key padded
+        po = torch.empty(tile_bound(min(Tc, T) * HKG * S, G, R, HKG * meta.num_blocks) * R, D, device=q.device, dtype=pdt)
+        pidx = torch.empty(rows // G, device=q.device, dtype=torch.int32)
+        po_arg = TensorDescriptor.from_tensor(po, [BM, D])
+    else:
+        po = po_arg = torch.empty(rows, D, device=q.device, dtype=pdt)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
+    if not tma:
+        pidx = plse  # not read
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         entries = min(Tc, T - c0) * HKG * S
         fmsa_fwd_kernel[(tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)](
-            q, k, v, po, plse, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
+            q, k, v, po_arg, plse, pidx, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG, TMA=tma,
             num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
             **_reg_cap(FWD_MAXNREG, q))
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
-            po, plse, o, lse, block_indices, meta.tok_start, c0, hk0, T,
+            po, plse, pidx, o, lse, block_indices, meta.tok_start, c0, hk0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, num_warps=_merge_warps(G))
+            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, TMA=tma, num_warps=_merge_warps(G))
     return o, lse
 
 

@@ -207,3 +207,29 @@ def test_index_buffer_rewritten_before_backward(impl, device):
     else:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(out.sum(), (q, k, v))
+
+
+@pytest.mark.parametrize("shape,chunk,heads", [
+    ((100, 3, 2, 16, 3, 16), 32, 1),
+    ((100, 3, 5, 16, 3, 16), 128, 3),
+    ((150, 1, 4, 64, 2, 64), None, None),
+    ((40, 1, 16, 16, 3, 16), None, None),
+], ids=["g2-chunks-per-head", "g5-one-partition", "g4-bs64-d64", "g16"])
+def test_fmsa_tma_partials(shape, chunk, heads, device, monkeypatch):
+    """FWD_TMA (partials written tile by tile by TMA into tile order, found by the merge through a
+    per-entry row index): the same forward, bit for bit, as partials in entry order, with several
+    tiles per program and partitions, and it matches the reference."""
+    T, HK, G, D, S, bs = shape
+    monkeypatch.setattr(fmsa, "FWD_TILES", 2)
+    monkeypatch.setattr(fmsa, "FWD_BM", 16)
+    c = make_case(T, HK, G, D, S, bs, device, cu_seqlens=[0, 9, 70, T] if T == 100 else None, seed=7)
+    q, k, v = (x.detach()[0] for x in (c.q, c.k, c.v))
+    bi = c.block_indices[0]
+    kw = {} if chunk is None else dict(chunk_size=chunk, heads=heads)
+    o, lse, _ = fmsa.fmsa_forward(q, k, v, bi, c.block_size, c.cu_seqlens, c.scale, **kw)
+    monkeypatch.setattr(fmsa, "FWD_TMA", True)
+    if device != "cpu" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or later")
+    o2, lse2, _ = fmsa.fmsa_forward(q, k, v, bi, c.block_size, c.cu_seqlens, c.scale, **kw)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    assert_matches_reference("fmsa", c, device, **kw)

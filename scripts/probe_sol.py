@@ -270,7 +270,8 @@ def fwd_launcher(q, k, v, bi, csr, HKG, scale, mode):
             if mode is None:  # the shipped kernel, partials in entry order (pidx unused)
                 fmsa.fmsa_fwd_kernel[grid](*args[:5], plse, *args[5:], **kw, TMA=False)
             elif mode == "shipped_tma":
-                fmsa.fmsa_fwd_kernel[grid](*args[:3], desc, plse, pidx, *args[5:], **kw, TMA=True)
+                kw_tma = dict(kw, num_stages=fmsa._fwd_stages(True, meta.block_size, D))
+                fmsa.fmsa_fwd_kernel[grid](*args[:3], desc, plse, pidx, *args[5:], **kw_tma, TMA=True)
             else:
                 sol_fwd_kernel[grid](*args, T * HQ, rows, **kw, MODE=FWD_MODES[mode])
     return run, po, plse

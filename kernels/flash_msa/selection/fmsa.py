@@ -395,6 +395,7 @@ FWD_MAXNREG = 128
 # a tile's write runs under the next tile's matmuls) into a tile-ordered buffer, which the merge
 # reads through a per-entry row index, instead of row by row from registers in entry order.
 FWD_TMA = False
+FWD_TMA_STAGES = 1  # the bulk copies' staging tile fits 4 programs per SM at 1 stage, 3 at 2
 # BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
 # load ahead, so the next tile's q/do gather, double-buffered, needs no second round trip): forward +
 # backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5
@@ -417,6 +418,10 @@ def _fwd_tma(q: torch.Tensor) -> bool:
     if not FWD_TMA:
         return False
     return not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9
+
+
+def _fwd_stages(tma: bool, block_size: int, D: int) -> int:
+    return (FWD_TMA_STAGES if tma else FWD_STAGES) if block_size * D <= 64 * 128 else 1
 
 
 def _reg_cap(cap: int, x: torch.Tensor) -> dict:
@@ -543,7 +548,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
             q, k, v, po_arg, plse, pidx, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG, TMA=tma,
-            num_warps=FWD_WARPS, num_stages=FWD_STAGES if meta.block_size * D <= 64 * 128 else 1,
+            num_warps=FWD_WARPS, num_stages=_fwd_stages(tma, meta.block_size, D),
             **_reg_cap(FWD_MAXNREG, q))
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
             po, plse, pidx, o, lse, block_indices, meta.tok_start, c0, hk0, T,

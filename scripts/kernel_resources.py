@@ -103,13 +103,13 @@ def cases():
         _, HKG = fmsa.default_partition(65536, HQ, 8, 16, 128, 2)
         for tma in (False, True):  # partials by TMA bulk copies in tile order (FWD_TMA), or row stores
             po = f"tensordesc<bf16[{fmsa.FWD_BM}, 128]>" if tma else B
-            sig = dict(q=B, k=B, v=B, po=po, plse=F, pidx=I, entry_ids=I, key_offsets=I, tile_key=I, tile_first=I,
+            sig = dict(q=B, k=B, v=B, po=po, plse=F, pidx=I, key_rows="*i64", entry_ids=I, key_offsets=I, tile_key=I, tile_first=I,
                        block_start=I, block_end=I, k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32")
             out.append((f"fmsa_fwd{' tma' if tma else ''} G={G}", fmsa.fmsa_fwd_kernel, sig,
                         dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=fmsa.FWD_BM, NT=fmsa.FWD_TILES, HKG=HKG,
                              TMA=tma),
                         ("c0",),
-                        dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa.FWD_STAGES,
+                        dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa._fwd_stages(tma, 64, 128),
                              **({"maxnreg": fmsa.FWD_MAXNREG} if fmsa.FWD_MAXNREG else {}))))
         sig = dict(po=B, plse=F, pidx=I, o=B, lse=F, block_indices=I, tok_start=I, c0="i64", hk0="i32", T="i32")
         for local, tma in ((0, False), (2, False), (0, True)):  # local: the whole op's (fused.py)

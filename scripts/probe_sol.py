@@ -8,7 +8,7 @@ Forward main kernel (``fmsa_fwd_kernel``), per variant:
   copy       gathers the q rows and writes them as the partials: the kernel's bytes, no matmul
   gather     gathers the q rows, writes one fp32 per row: the gather alone
   store      writes K as each tile's partials, no gather: the partial writes alone
-  shipped_tma the shipped kernel with FWD_TMA: partials by TMA bulk copies into tile order
+  shipped_tma the shipped kernel with FWD_TMA: partials by TMA bulk copies in key order (padded)
   full_tma   full's math, partials in CSR order by TMA bulk copies (a descriptor per program, clipped
              at the key's last row); store_tma: those copies alone, no gather
   *_seq      full, copy and store with the partial rows written in the index's order instead (a key's
@@ -46,7 +46,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from flash_msa.selection import fmsa  # noqa: E402
 from flash_msa.selection.fmsa import _block_keys, _partial_rows  # noqa: E402
-from flash_msa.utils.csr import build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule  # noqa: E402
+from flash_msa.utils.csr import (  # noqa: E402
+    build_selection_csr, get_block_meta, multi_segment_slots, padded_key_rows, tile_bound, tile_schedule)
 
 FWD_MODES = {"full": 0, "contiguous": 1, "copy": 2, "gather": 3, "store": 4,
              "full_seq": 5, "copy_seq": 6, "store_seq": 7, "full_tma": 8, "store_tma": 9}
@@ -252,10 +253,10 @@ def fwd_launcher(q, k, v, bi, csr, HKG, scale, mode):
     po = torch.zeros(rows, D, device=q.device, dtype=q.dtype)  # zeros: rows no partition writes compare equal
     plse = torch.zeros(rows, device=q.device, dtype=torch.float32)
     if mode == "shipped_tma":  # fmsa_fwd_kernel with TMA: tile-ordered buffer, descriptor, entry rows
-        po = torch.zeros(tile_bound(min(Tc, T) * HKG * S, G, R, HKG * meta.num_blocks) * R, D, device=q.device,
-                         dtype=q.dtype)
+        po = torch.zeros(rows + HKG * meta.num_blocks * BM, D, device=q.device, dtype=q.dtype)
         desc = TensorDescriptor.from_tensor(po, [BM, D])
         pidx = torch.zeros(rows // G, device=q.device, dtype=torch.int32)
+        key_rows = padded_key_rows(csr, G, BM)
     launches = []
     for i_c, c0, hk0, k_lo in fmsa._partitions(csr, HKG):
         grid = (tile_bound(min(Tc, T - c0) * HKG * S, G, R, HKG * fmsa.chunk_blocks(csr, i_c)),)
@@ -268,10 +269,10 @@ def fwd_launcher(q, k, v, bi, csr, HKG, scale, mode):
     def run():
         for grid, args, kw in launches:
             if mode is None:  # the shipped kernel, partials in entry order (pidx unused)
-                fmsa.fmsa_fwd_kernel[grid](*args[:5], plse, *args[5:], **kw, TMA=False)
+                fmsa.fmsa_fwd_kernel[grid](*args[:5], plse, plse, *args[5:], **kw, TMA=False)
             elif mode == "shipped_tma":
                 kw_tma = dict(kw, num_stages=fmsa._fwd_stages(True, meta.block_size, D))
-                fmsa.fmsa_fwd_kernel[grid](*args[:3], desc, plse, pidx, *args[5:], **kw_tma, TMA=True)
+                fmsa.fmsa_fwd_kernel[grid](*args[:3], desc, plse, pidx, key_rows, *args[5:], **kw_tma, TMA=True)
             else:
                 sol_fwd_kernel[grid](*args, T * HQ, rows, **kw, MODE=FWD_MODES[mode])
     return run, po, plse

@@ -40,7 +40,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flash_msa.utils.csr import (
-    SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule)
+    SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, padded_key_rows, tile_bound,
+    tile_schedule)
 from flash_msa.utils.validation import check_triton_device
 from flash_msa.utils.varlen import flatten_batch
 
@@ -126,7 +127,7 @@ def _fwd_rows(q, po, plse, pidx, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_
 
 @triton.jit
 def fmsa_fwd_kernel(
-    q, k, v, po, plse, pidx, entry_ids, key_offsets, tile_key, tile_first,
+    q, k, v, po, plse, pidx, key_rows, entry_ids, key_offsets, tile_key, tile_first,
     block_start, block_end, k_lo, c0, hk0, NB, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr, TMA: tl.constexpr,
@@ -134,8 +135,8 @@ def fmsa_fwd_kernel(
     # One program per group of NT*BM rows of one key (the schedule's "tiles" are these groups):
     # the block's K/V are loaded once, then NT row tiles of BM rows. The partition's keys are
     # [k_lo, k_lo + HKG * NB); programs past its last group do nothing. With TMA the partial
-    # outputs go in tile order (program p's tiles fill rows [p * NT * BM, (p + 1) * NT * BM)) by
-    # bulk copies, and pidx maps each entry to its first row there.
+    # outputs go by bulk copies in key order, each key's rows padded to a multiple of BM (key_rows:
+    # padded_key_rows), and pidx maps each entry to its first row there.
     i_end = tl.load(tile_first + k_lo + HKG * NB)
     i_grp = tl.load(tile_first + k_lo) + tl.program_id(0)
     if i_grp >= i_end:
@@ -148,10 +149,13 @@ def fmsa_fwd_kernel(
     o_k, m_k, p_kv = _block_keys(block_start, block_end, i_key % NB, i_hk, HK, D, BS)
     b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
     b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
+    i_row = r0
+    if TMA:  # the key's first row in the partition's padded buffer (< 2^31, as its partial rows)
+        i_row += (tl.load(key_rows + i_key) - tl.load(key_rows + k_lo)).to(tl.int32)
     for i_j in range(NT):
         if r0 + i_j * BM < n_rows:
             _fwd_rows(q, po, plse, pidx, entry_ids, b_k, b_v, o_k, r0 + i_j * BM + tl.arange(0, BM), n_rows, i_e0,
-                      i_hk, c0, hk0, scale2, (tl.program_id(0) * NT + i_j) * BM, HQ, HK, G, S, D, HKG, TMA, BM)
+                      i_hk, c0, hk0, scale2, i_row + i_j * BM, HQ, HK, G, S, D, HKG, TMA, BM)
 
 
 @triton.jit
@@ -533,19 +537,20 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
     rows = partition_rows(T, Tc, HKG, G, S)
     tma = _fwd_tma(q)
     pdt = torch.float32 if q.dtype == torch.float32 else q.dtype
-    if tma:  # tile order: every program's NT * BM rows, the last tile of each key padded
-        po = torch.empty(tile_bound(min(Tc, T) * HKG * S, G, R, HKG * meta.num_blocks) * R, D, device=q.device, dtype=pdt)
+    if tma:  # key order, each key's last tile padded: at most BM - 1 rows more per key
+        po = torch.empty(rows + HKG * meta.num_blocks * BM, D, device=q.device, dtype=pdt)
         pidx = torch.empty(rows // G, device=q.device, dtype=torch.int32)
+        key_rows = padded_key_rows(csr, G, BM)
         po_arg = TensorDescriptor.from_tensor(po, [BM, D])
     else:
         po = po_arg = torch.empty(rows, D, device=q.device, dtype=pdt)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
     if not tma:
-        pidx = plse  # not read
+        pidx = key_rows = plse  # not read
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         entries = min(Tc, T - c0) * HKG * S
         fmsa_fwd_kernel[(tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)](
-            q, k, v, po_arg, plse, pidx, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
+            q, k, v, po_arg, plse, pidx, key_rows, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG, TMA=tma,
             num_warps=FWD_WARPS, num_stages=_fwd_stages(tma, meta.block_size, D),

@@ -235,6 +235,15 @@ def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, tor
     return tile_key, first.to(torch.int32)
 
 
+def padded_key_rows(csr: SelectionCSR, G: int, BM: int) -> torch.Tensor:
+    """int64 [num_keys + 1]: first row of each key when every key's rows (G per entry) are padded
+    to a multiple of BM, then the total; a partition's rows start at its first key's value."""
+    counts = (csr.key_offsets[1:] - csr.key_offsets[:-1]).to(torch.int64) * G
+    padded = (counts + BM - 1) // BM * BM
+    incl = padded.cumsum(0)
+    return torch.cat([incl - padded, incl[-1:]])
+
+
 def multi_segment_slots(csr: SelectionCSR, G: int, R: int) -> torch.Tensor:
     """int32 [num_keys]: first buffer slot of each key split into more than one segment of R rows.
 

@@ -216,9 +216,9 @@ def test_index_buffer_rewritten_before_backward(impl, device):
     ((40, 1, 16, 16, 3, 16), None, None),
 ], ids=["g2-chunks-per-head", "g5-one-partition", "g4-bs64-d64", "g16"])
 def test_fmsa_tma_partials(shape, chunk, heads, device, monkeypatch):
-    """FWD_TMA (partials written tile by tile by TMA into tile order, found by the merge through a
-    per-entry row index): the same forward, bit for bit, as partials in entry order, with several
-    tiles per program and partitions, and it matches the reference."""
+    """FWD_TMA (partials written tile by tile by TMA bulk copies in key order, found by the merge
+    through a per-entry row index) against partials stored row by row in entry order: the same
+    forward bit for bit, with several tiles per program and partitions; both match the reference."""
     T, HK, G, D, S, bs = shape
     monkeypatch.setattr(fmsa, "FWD_TILES", 2)
     monkeypatch.setattr(fmsa, "FWD_BM", 16)
@@ -226,6 +226,7 @@ def test_fmsa_tma_partials(shape, chunk, heads, device, monkeypatch):
     q, k, v = (x.detach()[0] for x in (c.q, c.k, c.v))
     bi = c.block_indices[0]
     kw = {} if chunk is None else dict(chunk_size=chunk, heads=heads)
+    monkeypatch.setattr(fmsa, "FWD_TMA", False)
     o, lse, _ = fmsa.fmsa_forward(q, k, v, bi, c.block_size, c.cu_seqlens, c.scale, **kw)
     monkeypatch.setattr(fmsa, "FWD_TMA", True)
     if device != "cpu" and torch.cuda.get_device_capability()[0] < 9:

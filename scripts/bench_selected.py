@@ -214,7 +214,7 @@ def variants(T, G, D, S, bs, device):
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
              "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG",
-             "PARTIAL_BUDGET_PER_TOKEN", "FWD_TMA", "FWD_TMA_STAGES")
+             "PARTIAL_BUDGET_PER_TOKEN", "FWD_TMA", "FWD_TMA_STAGES", "BWD_TMA")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -245,11 +245,13 @@ def variants(T, G, D, S, bs, device):
     # The merge and the dq reduction loading SG slots' partials as one [SG, G, D] tile, no faster:
     # selected_variants15_h200.log (commit 659e607's variants; the merge runs near the DRAM copy ceiling).
     budgets = [{"PARTIAL_BUDGET": 384 << 20}, {"PARTIAL_BUDGET": 1536 << 20, "PARTIAL_BUDGET_PER_TOKEN": 24 << 10}]
-    # The forward's partials by TMA bulk copies into tile order (FWD_TMA), at its launch settings.
+    # The forward's partials and the backward's dq parts by TMA bulk copies in key order (FWD_TMA,
+    # BWD_TMA), at several launch settings.
     tma = [{"FWD_STAGES": 1}, {"FWD_TMA": True}, {"FWD_TMA": True, "FWD_TILES": 8}, {"FWD_TMA": True, "FWD_TILES": 16},
            {"FWD_TMA": True, "FWD_TILES": 2}, {"FWD_TMA": True, "FWD_MAXNREG": 112}, {"FWD_TMA": True, "FWD_TMA_STAGES": 2}]
     fwd_variants = [{}, *tma, {}]
-    bwd_variants = [{}, {"FWD_TMA": True}, {"FWD_TMA": True, "FWD_TILES": 8}, {}]
+    bwd_variants = [{}, {"FWD_TMA": True}, {"BWD_TMA": True}, {"FWD_TMA": True, "BWD_TMA": True},
+                    {"FWD_TMA": True, "FWD_TILES": 8, "BWD_TMA": True}, {}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:

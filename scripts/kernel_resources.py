@@ -116,13 +116,15 @@ def cases():
             out.append((f"fmsa_merge{' local' if local else ''}{' tma' if tma else ''} G={G}", fmsa.fmsa_merge_kernel,
                         sig, dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16, HKG=HKG,
                                   LOCAL=local, TMA=tma), ("T",), dict(num_warps=fmsa._merge_warps(G))))
-        sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dk=F, dv=F, dkp=F, dvp=F, dqp=B, entry_ids=I, key_offsets=I,
-                   seg_key=I, seg_first=I, slot_first=I, block_start=I, block_end=I,
-                   k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32", scale="fp32")
         BM = fmsa._bwd_tile_rows(128, 64)
-        out.append((f"fmsa_bwd_dkdv G={G}", fmsa.fmsa_bwd_dkdv_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=BM, SEG=fmsa.SEG_TILES * BM, WRITE_DQ=True,
-                         HKG=HKG), ("c0",), dict(num_warps=fmsa.BWD_WARPS, num_stages=fmsa.BWD_STAGES)))
+        for tma in (False, True):  # dq parts by TMA bulk copies in key order (BWD_TMA), or row stores
+            dqp = f"tensordesc<bf16[{BM}, 128]>" if tma else B
+            sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dk=F, dv=F, dkp=F, dvp=F, dqp=dqp, pidx=I, key_rows="*i64",
+                       entry_ids=I, key_offsets=I, seg_key=I, seg_first=I, slot_first=I, block_start=I, block_end=I,
+                       k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32", scale="fp32")
+            out.append((f"fmsa_bwd_dkdv{' tma' if tma else ''} G={G}", fmsa.fmsa_bwd_dkdv_kernel, sig,
+                        dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=BM, SEG=fmsa.SEG_TILES * BM, WRITE_DQ=True,
+                             HKG=HKG, TMA=tma), ("c0",), dict(num_warps=fmsa.BWD_WARPS, num_stages=fmsa.BWD_STAGES)))
         sig = dict(q=B, k=B, v=B, o=B, lse=F, block_indices=I, tok_start=I, scale2="fp32")
         nsa_opts = dict(num_warps=4, num_stages=nsa._stages(64, 128))
         out.append((f"nsa_fwd G={G}", nsa.nsa_fwd_kernel, sig,

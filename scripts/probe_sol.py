@@ -314,7 +314,7 @@ def bwd_launcher(q, k, v, do, lse, delta, bi, csr, HKG, scale, mode):
         dv_acc.zero_()
         for grid, args, kw in launches:
             if mode is None:
-                fmsa.fmsa_bwd_dkdv_kernel[grid](*args, **kw, WRITE_DQ=True)
+                fmsa.fmsa_bwd_dkdv_kernel[grid](*args[:11], dk_acc, dk_acc, *args[11:], **kw, WRITE_DQ=True, TMA=False)
             else:
                 sol_dkdv_kernel[grid](*args, T * HQ, **kw, MODE=BWD_MODES[mode])
     return run, (dqp, dk_acc, dv_acc, dkp, dvp)

@@ -225,11 +225,12 @@ def fmsa_bwd_preprocess_kernel(o, do, delta, N, D: tl.constexpr, BR: tl.constexp
 
 @triton.jit
 def fmsa_bwd_dkdv_kernel(
-    q, k, v, do, lse, delta, dk, dv, dkp, dvp, dqp, entry_ids, key_offsets,
+    q, k, v, do, lse, delta, dk, dv, dkp, dvp, dqp, pidx, key_rows, entry_ids, key_offsets,
     seg_key, seg_first, slot_first, block_start, block_end,
     k_lo, c0, hk0, NB, scale2, scale,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, SEG: tl.constexpr, WRITE_DQ: tl.constexpr, HKG: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # one program per segment of at most SEG rows of one key, so that a block selected by
     # every query (block 0) is spread over many programs instead of serialising the launch.
@@ -252,6 +253,8 @@ def fmsa_bwd_dkdv_kernel(
     _, _, p_acc = _block_keys(block_start, block_end, i_b, i_hk - hk0, HKG, D, BS)  # in dk / dv
     b_dk = tl.zeros([BS, D], dtype=tl.float32)
     b_dv = tl.zeros([BS, D], dtype=tl.float32)
+    if TMA:  # dq parts by bulk copies in key order, keys padded to BM rows, as the forward's partials
+        i_row0 = (tl.load(key_rows + i_key) - tl.load(key_rows + k_lo)).to(tl.int32)
     for i_r in range(r_begin, r_end, BM):
         o_r = i_r + tl.arange(0, BM)
         m_r = o_r < r_end
@@ -271,8 +274,12 @@ def fmsa_bwd_dkdv_kernel(
         if WRITE_DQ:
             b_dq = tl.dot(b_ds, b_k) * scale  # [BM, D]
             o_p = _partial_rows(b_e, b_t, b_g, i_hk, c0, hk0, HK, G, S, HKG)
-            tl.store(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty),
-                     mask=m_r[:, None])
+            if TMA:
+                dqp.store([i_row0 + i_r, 0], b_dq.to(dqp.dtype))
+                tl.store(pidx + o_p // G, i_row0 + o_r, mask=m_r & (b_g == 0))
+            else:
+                tl.store(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], b_dq.to(dqp.dtype.element_ty),
+                         mask=m_r[:, None])
         # The two accumulating matmuls last. Triton waits for a matmul right after issuing it unless
         # its result is loop-carried, as these are: here they run on across the dq store and the next
         # row tile's loads, where in the order of the math (dv before dp, dk before dq) the waits for
@@ -338,9 +345,10 @@ def fmsa_bwd_dkdv_reduce_kernel(
 
 @triton.jit
 def fmsa_bwd_dq_kernel(
-    dqp, dq, block_indices, tok_start, c0, hk0, T,
+    dqp, pidx, dq, block_indices, tok_start, c0, hk0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BG: tl.constexpr, HKG: tl.constexpr, ACC: tl.constexpr, LOCAL: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # ACC: dq already holds other branches' dq of these rows (flash_msa/fused.py), added to in fp32;
     # LOCAL: the token's last LOCAL blocks have no dq parts (the window kernel added their dq)
@@ -357,8 +365,11 @@ def fmsa_bwd_dq_kernel(
     for i_s in tl.static_range(S):  # slot order: deterministic; loads independent of each other
         b_iv = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64))  # [BG], one value
         m_v = (b_iv >= 0) & (b_iv <= own - LOCAL) & m_g
-        o_p = (o_row + i_s) * G + o_g
-        b_dq += tl.load(dqp + o_p[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
+        if TMA:  # dq parts in key order: each entry's first row from pidx
+            o_p = tl.load(pidx + (o_row + i_s) + tl.zeros([BG], dtype=tl.int64), mask=m_v, other=0) + o_g
+        else:
+            o_p = (o_row + i_s) * G + o_g
+        b_dq += tl.load(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
     o_h = i_t * HQ + i_hk * G + o_g
     if ACC:
         b_dq += tl.load(dq + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.).to(tl.float32)
@@ -400,6 +411,8 @@ FWD_MAXNREG = 128
 # reads through a per-entry row index, instead of row by row from registers in entry order.
 FWD_TMA = False
 FWD_TMA_STAGES = 1  # the bulk copies' staging tile fits 4 programs per SM at 1 stage, 3 at 2
+# BWD_TMA: the same for the dk/dv kernel's dq parts (read by the dq reduction through a row index)
+BWD_TMA = False
 # BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
 # load ahead, so the next tile's q/do gather, double-buffered, needs no second round trip): forward +
 # backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5
@@ -422,6 +435,23 @@ def _fwd_tma(q: torch.Tensor) -> bool:
     if not FWD_TMA:
         return False
     return not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9
+
+
+def _bwd_tma(q: torch.Tensor, D: int, block_size: int) -> bool:
+    """Whether the dk/dv kernel writes its dq parts by TMA (BWD_TMA), as _fwd_tma."""
+    if not BWD_TMA:
+        return False
+    return not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9
+
+
+def dq_partial_rows(q: torch.Tensor, csr: SelectionCSR, HKG: int, G: int) -> int:
+    """Rows of the backward's dq-part buffer: one partition's partial rows, plus the padding of
+    every key's rows to a multiple of the tile with BWD_TMA."""
+    T, _, D = q.shape
+    rows = partition_rows(T, csr.chunk_size, HKG, G, csr.S)
+    if _bwd_tma(q, D, csr.meta.block_size):
+        rows += HKG * csr.meta.num_blocks * _bwd_tile_rows(D, csr.meta.block_size)
+    return rows
 
 
 def _fwd_stages(tma: bool, block_size: int, D: int) -> int:
@@ -592,6 +622,14 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
                 raise ValueError(f"dkv's {name} must be a contiguous {k.dtype} tensor of k's shape {tuple(k.shape)}, "
                                  f"got {tuple(x.shape)} {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}")
     write_dq = dq_partial is not None
+    tma = write_dq and _bwd_tma(q, D, BS)
+    if tma:  # dq_partial holds dq_partial_rows(..., tma=True) rows
+        dq_arg = TensorDescriptor.from_tensor(dq_partial, [BM, D])
+        pidx = torch.empty(partition_rows(T, Tc, HKG, G, S) // G, device=q.device, dtype=torch.int32)
+        key_rows = padded_key_rows(csr, G, BM)
+    else:
+        dq_arg = dq_partial if write_dq else dk_acc
+        pidx = key_rows = dk_acc  # not read
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         if i_c == 0:
             dk_acc.zero_()
@@ -599,10 +637,10 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
         nbc = chunk_blocks(csr, i_c)
         entries = min(Tc, T - c0) * HKG * S
         fmsa_bwd_dkdv_kernel[(tile_bound(entries, G, SEG, HKG * nbc),)](
-            q, k, v, do, lse, delta, dk_acc, dv_acc, dkp, dvp, dq_partial if write_dq else dk_acc,
+            q, k, v, do, lse, delta, dk_acc, dv_acc, dkp, dvp, dq_arg, pidx, key_rows,
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG,
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG, TMA=tma,
             num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
         final = i_c == csr.num_chunks - 1  # these KV heads are done: the sums of every block go to dk, dv
         n_red = NB if final else nbc  # (the last chunk's nbc is NB too)
@@ -612,8 +650,9 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             ADD=dkv is not None, num_warps=8)
         if write_dq:
             fmsa_bwd_dq_kernel[(min(Tc, T - c0), HKG)](
-                dq_partial, dq, block_indices, meta.tok_start, c0, hk0, T,
-                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc, LOCAL=csr.local)
+                dq_partial, pidx, dq, block_indices, meta.tok_start, c0, hk0, T,
+                HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BG=_reduce_rows(G), HKG=HKG, ACC=dq_acc, LOCAL=csr.local,
+                TMA=tma)
     return dk, dv
 
 
@@ -652,7 +691,7 @@ def fmsa_backward(q, k, v, lse, block_indices, state, scale: float, do, delta, d
     if not acc:
         dq = torch.empty_like(q)
     # bf16/fp16 partials for bf16/fp16 inputs (summed in fp32), fp32 for fp32 inputs
-    rows = partition_rows(T, csr.chunk_size, HKG, HQ // k.shape[1], csr.S)
+    rows = dq_partial_rows(q, csr, HKG, HQ // k.shape[1])
     dq_partial = torch.empty(rows, D, device=q.device, dtype=q.dtype)
     dk, dv = fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, scale, dq_partial, HKG, block_indices, dq, dq_acc=acc,
                            dkv=dkv)

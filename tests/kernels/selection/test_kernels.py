@@ -216,21 +216,24 @@ def test_index_buffer_rewritten_before_backward(impl, device):
     ((40, 1, 16, 16, 3, 16), None, None),
 ], ids=["g2-chunks-per-head", "g5-one-partition", "g4-bs64-d64", "g16"])
 def test_fmsa_tma_partials(shape, chunk, heads, device, monkeypatch):
-    """FWD_TMA (partials written tile by tile by TMA bulk copies in key order, found by the merge
-    through a per-entry row index) against partials stored row by row in entry order: the same
-    forward bit for bit, with several tiles per program and partitions; both match the reference."""
+    """FWD_TMA / BWD_TMA (the forward's partials and the backward's dq parts written tile by tile
+    by TMA bulk copies in key order, found by the reductions through a per-entry row index) against
+    both stored row by row in entry order: the same output and gradients bit for bit, with several
+    tiles per program, split keys and partitions; both match the reference."""
     T, HK, G, D, S, bs = shape
     monkeypatch.setattr(fmsa, "FWD_TILES", 2)
     monkeypatch.setattr(fmsa, "FWD_BM", 16)
+    monkeypatch.setattr(fmsa, "SEG_TILES", 2)
+    monkeypatch.setattr(fmsa, "BWD_BM", 16)
     c = make_case(T, HK, G, D, S, bs, device, cu_seqlens=[0, 9, 70, T] if T == 100 else None, seed=7)
-    q, k, v = (x.detach()[0] for x in (c.q, c.k, c.v))
-    bi = c.block_indices[0]
     kw = {} if chunk is None else dict(chunk_size=chunk, heads=heads)
     monkeypatch.setattr(fmsa, "FWD_TMA", False)
-    o, lse, _ = fmsa.fmsa_forward(q, k, v, bi, c.block_size, c.cu_seqlens, c.scale, **kw)
-    monkeypatch.setattr(fmsa, "FWD_TMA", True)
+    monkeypatch.setattr(fmsa, "BWD_TMA", False)
+    rows = run("fmsa", c, **kw)
     if device != "cpu" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or later")
-    o2, lse2, _ = fmsa.fmsa_forward(q, k, v, bi, c.block_size, c.cu_seqlens, c.scale, **kw)
-    assert torch.equal(o, o2) and torch.equal(lse, lse2)
-    assert_matches_reference("fmsa", c, device, **kw)
+    monkeypatch.setattr(fmsa, "FWD_TMA", True)
+    monkeypatch.setattr(fmsa, "BWD_TMA", True)
+    tma = assert_matches_reference("fmsa", c, device, **kw)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), rows, tma):
+        assert torch.equal(a, b), name

@@ -248,7 +248,8 @@ def variants(T, G, D, S, bs, device):
     # The forward's partials and the backward's dq parts by TMA bulk copies in key order (FWD_TMA,
     # BWD_TMA), at several launch settings.
     tma = [{"FWD_STAGES": 1}, {"FWD_TMA": True}, {"FWD_TMA": True, "FWD_TILES": 8}, {"FWD_TMA": True, "FWD_TILES": 16},
-           {"FWD_TMA": True, "FWD_TILES": 2}, {"FWD_TMA": True, "FWD_MAXNREG": 112}, {"FWD_TMA": True, "FWD_TMA_STAGES": 2}]
+           {"FWD_TMA": True, "FWD_TILES": 2}, {"FWD_TMA": True, "FWD_MAXNREG": 112}, {"FWD_TMA": True, "FWD_TMA_STAGES": 2},
+           {"FWD_TMA": True, "FWD_BM": 128, "FWD_WARPS": 8, "FWD_TILES": 2}]
     fwd_variants = [{}, *tma, {}]
     bwd_variants = [{}, {"FWD_TMA": True}, {"BWD_TMA": True}, {"FWD_TMA": True, "BWD_TMA": True},
                     {"FWD_TMA": True, "FWD_TILES": 8, "BWD_TMA": True}, {}]

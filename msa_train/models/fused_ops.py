@@ -248,14 +248,24 @@ def _fusable_rope(q, k, cos, sin, unsqueeze_dim) -> bool:
 
 def rope_dispatcher(hf_apply):
     """What replaces an HF module's ``apply_rotary_pos_emb``: the kernel for calls made while a
-    patched attention module runs (and shapes it covers), ``hf_apply`` otherwise."""
-    @functools.wraps(hf_apply)
+    patched attention module runs (and shapes it covers), ``hf_apply`` otherwise.
+
+    Since transformers 5.25 ``hf_apply`` is an nn.Module of the ``kernels`` library (a function
+    wrapped by ``use_kernel_forward_from_hub``), and every attention module holds a private copy
+    that pickles as ``type(<HF module>.apply_rotary_pos_emb)()``. The dispatcher is then an instance
+    of a subclass of its class, so that this call still builds a working copy of HF's."""
     def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
         if args or kwargs or not _fusable_rope(q, k, cos, sin, unsqueeze_dim):
             return hf_apply(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
         rotate = lambda x: _Rope.apply(x.transpose(1, 2), cos, sin).transpose(1, 2)  # noqa: E731
         return rotate(q), rotate(k)
 
+    if isinstance(hf_apply, nn.Module):
+        base = type(hf_apply)
+        body = {"forward": lambda self, *a, **kw: apply_rotary_pos_emb(*a, **kw), _DISPATCH: True,
+                "__module__": base.__module__}
+        return type(base.__name__, (base,), body)()
+    apply_rotary_pos_emb = functools.wraps(hf_apply)(apply_rotary_pos_emb)
     setattr(apply_rotary_pos_emb, _DISPATCH, True)
     return apply_rotary_pos_emb
 

@@ -406,13 +406,18 @@ FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
 # (selected_variants_h200.log, fourth run); with them, uncapped 10.00 against 9.35 ms at G=4
 # and 11.87 against 11.37 at G=5 (selected_variants4_h200.log).
 FWD_MAXNREG = 128
-# FWD_TMA: the forward's partial outputs written tile by tile by TMA bulk copies (asynchronous:
-# a tile's write runs under the next tile's matmuls) into a tile-ordered buffer, which the merge
-# reads through a per-entry row index, instead of row by row from registers in entry order.
-FWD_TMA = False
-FWD_TMA_STAGES = 1  # the bulk copies' staging tile fits 4 programs per SM at 1 stage, 3 at 2
-# BWD_TMA: the same for the dk/dv kernel's dq parts (read by the dq reduction through a row index)
-BWD_TMA = False
+# FWD_TMA (Hopper and later): the forward's partial outputs written tile by tile by TMA bulk copies
+# (asynchronous: a tile's write runs under the next tile's matmuls) in key order, each key's rows
+# padded to a multiple of BM, which the merge reads through a per-entry row index; instead of row
+# by row from registers in entry order. BWD_TMA: the same for the dk/dv kernel's dq parts and the
+# dq reduction. At 64K on the H200: forward 8.10 against 8.28 / 8.31 ms at G=4, 9.99 against
+# 10.31 / 10.35 at G=5; forward + backward with both 21.61 against 22.31 / 22.22 ms at G=4, 26.76
+# against 27.48 / 27.38 at G=5, for 35 MiB more (benchmarks/results/selected_variants16_h200.log,
+# second run; the main kernel alone 5.50 against 5.70 ms at G=4, probe_sol_tma_h200.log). At 2
+# stages the staging tile leaves 3 programs per SM instead of 4: 8.96 ms.
+FWD_TMA = True
+FWD_TMA_STAGES = 1
+BWD_TMA = True
 # BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
 # load ahead, so the next tile's q/do gather, double-buffered, needs no second round trip): forward +
 # backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5

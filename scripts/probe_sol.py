@@ -55,6 +55,19 @@ BWD_MODES = {"full": 0, "contiguous": 1, "copy": 2}
 
 
 @triton.jit
+def _sol_softmax_pv(b_q, b_k, b_v, o_k, b_t, m_r, scale2):
+    # the shipped math of one row tile: normalised partial output and its lse (log2)
+    b_s = tl.dot(b_q, tl.trans(b_k)) * scale2
+    m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
+    b_s = tl.where(m_s, b_s, float("-inf"))
+    b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
+    b_p = tl.exp2(b_s - b_m[:, None])
+    b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
+    b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]
+    return b_o, b_m + tl.log2(b_l)
+
+
+@triton.jit
 def _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk, c0, hk0, scale2, NQ, NP,
                   HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
                   HKG: tl.constexpr, MODE: tl.constexpr):
@@ -74,15 +87,9 @@ def _sol_fwd_rows(q, po, plse, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_hk
     p_out = po + o_p.to(tl.int64)[:, None] * D + o_d[None, :]
     if MODE <= 1 or MODE == 5:
         b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2
-        m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
-        b_p = tl.exp2(b_s - b_m[:, None])
-        b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
-        b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]
+        b_o, b_lse = _sol_softmax_pv(b_q, b_k, b_v, o_k, b_t, m_r, scale2)
         tl.store(p_out, b_o.to(po.dtype.element_ty), mask=m_r[:, None])
-        tl.store(plse + o_p, b_m + tl.log2(b_l), mask=m_r)
+        tl.store(plse + o_p, b_lse, mask=m_r)
     elif MODE == 2 or MODE == 6:
         b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
         tl.store(p_out, b_q.to(po.dtype.element_ty), mask=m_r[:, None])
@@ -108,15 +115,9 @@ def _sol_fwd_tma(q, desc, plse, entry_ids, b_k, b_v, o_k, i_r, n_rows, i_e0, i_b
     if MODE == 8:
         o_h = b_t.to(tl.int64) * HQ + i_hk * G + o_r % G
         b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale2
-        m_s = m_r[:, None] & (o_k[None, :] <= b_t[:, None])
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        b_m = tl.where(m_r, tl.max(b_s, 1), 0.)
-        b_p = tl.exp2(b_s - b_m[:, None])
-        b_l = tl.where(m_r, tl.sum(b_p, 1), 1.)
-        b_o = tl.dot(b_p.to(b_v.dtype), b_v) * (1. / b_l)[:, None]
+        b_o, b_lse = _sol_softmax_pv(b_q, b_k, b_v, o_k, b_t, m_r, scale2)
         desc.store([i_r, 0], b_o.to(desc.dtype))
-        tl.store(plse + i_base + o_r, b_m + tl.log2(b_l), mask=m_r)
+        tl.store(plse + i_base + o_r, b_lse, mask=m_r)
     else:
         desc.store([i_r, 0], b_k.to(desc.dtype))
         tl.store(plse + i_base + o_r, b_t.to(tl.float32), mask=m_r)

@@ -93,7 +93,7 @@ def _fwd_rows(q, po, plse, pidx, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_
               HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
               HKG: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr):
     # rows o_r [BM] of one key against its block's K/V [BS, D]: partial output and lse.
-    # TMA: po is a descriptor of the tile-ordered partial buffer, whose row i_tma this tile fills
+    # TMA: po is a descriptor of the key-ordered (padded) partial buffer, whose row i_tma this tile fills
     o_d = tl.arange(0, D)
     m_r = o_r < n_rows
     # index arithmetic in int32 (entry ids < 2^31: build_selection_csr; partial rows < 2^31:
@@ -165,7 +165,7 @@ def fmsa_merge_kernel(
     BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr, HKG: tl.constexpr, LOCAL: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    # TMA: the partial outputs are in the main kernel's tile order, each entry's first row in pidx
+    # TMA: the partial outputs are in key order (fmsa_fwd_kernel), each entry's first row in pidx
     # LOCAL > 0: the token's last LOCAL blocks are not in the partials (the CSR left them out);
     # o / lse hold their partial output and lse (log2) on entry, written by the window kernel
     # (flash_msa/fused.py), which this merges first.
@@ -434,19 +434,14 @@ BWD_MAXNREG = 0
 MERGE_WARPS_SMALL_G = 1
 
 
+def _tma(flag: bool, q: torch.Tensor) -> bool:
+    """Whether a kernel writes its partials by TMA (``flag``: FWD_TMA or BWD_TMA): on Hopper or
+    later, or in the CPU interpreter, which emulates the copies."""
+    return flag and (not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9)
+
+
 def _fwd_tma(q: torch.Tensor) -> bool:
-    """Whether the forward writes its partials by TMA (FWD_TMA): Hopper or later, or the CPU
-    interpreter, which emulates the copies."""
-    if not FWD_TMA:
-        return False
-    return not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9
-
-
-def _bwd_tma(q: torch.Tensor, D: int, block_size: int) -> bool:
-    """Whether the dk/dv kernel writes its dq parts by TMA (BWD_TMA), as _fwd_tma."""
-    if not BWD_TMA:
-        return False
-    return not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9
+    return _tma(FWD_TMA, q)
 
 
 def dq_partial_rows(q: torch.Tensor, csr: SelectionCSR, HKG: int, G: int) -> int:
@@ -454,7 +449,7 @@ def dq_partial_rows(q: torch.Tensor, csr: SelectionCSR, HKG: int, G: int) -> int
     every key's rows to a multiple of the tile with BWD_TMA."""
     T, _, D = q.shape
     rows = partition_rows(T, csr.chunk_size, HKG, G, csr.S)
-    if _bwd_tma(q, D, csr.meta.block_size):
+    if _tma(BWD_TMA, q):
         rows += HKG * csr.meta.num_blocks * _bwd_tile_rows(D, csr.meta.block_size)
     return rows
 
@@ -627,8 +622,8 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
                 raise ValueError(f"dkv's {name} must be a contiguous {k.dtype} tensor of k's shape {tuple(k.shape)}, "
                                  f"got {tuple(x.shape)} {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}")
     write_dq = dq_partial is not None
-    tma = write_dq and _bwd_tma(q, D, BS)
-    if tma:  # dq_partial holds dq_partial_rows(..., tma=True) rows
+    tma = write_dq and _tma(BWD_TMA, q)
+    if tma:  # dq_partial has dq_partial_rows() rows: keys padded to BM
         dq_arg = TensorDescriptor.from_tensor(dq_partial, [BM, D])
         pidx = torch.empty(partition_rows(T, Tc, HKG, G, S) // G, device=q.device, dtype=torch.int32)
         key_rows = padded_key_rows(csr, G, BM)
@@ -675,11 +670,12 @@ def fmsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: flo
         chunk_size, HKG = default_partition(T, HQ, HK, S, D, q.element_size(), heads)
     else:
         HKG = partition_heads(T, HK, chunk_size, heads)
-    rows = partition_rows(T, chunk_size, HKG, HQ // HK, S)
-    if rows >= 2 ** 31:  # the kernels index partial rows in int32
-        raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
-                         "(chunk * KV heads per partition * G * S); it must be < 2^31")
     meta = get_block_meta(cu_seqlens, T, block_size)
+    # the kernels index partial rows in int32; with TMA each key's rows are padded to a tile
+    rows = partition_rows(T, chunk_size, HKG, HQ // HK, S) + HKG * meta.num_blocks * max(FWD_BM, BWD_BM)
+    if rows >= 2 ** 31:
+        raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
+                         "(chunk * KV heads per partition * G * S, plus a tile per key); it must be < 2^31")
     csr = build_selection_csr(block_indices, meta, chunk_size, local)
     o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale, HKG, o, lse)
     return o, lse, (csr, HKG)

@@ -366,19 +366,22 @@ def probe(T, HK, G, D, bs, S, seed=0, modes=None):
     n_rows = int((csr.key_offsets[-1] - csr.key_offsets[0]).item()) * G
     row["gathered_gb"] = n_rows * D * 2 / 1e9
     # the whole shipped forward (tile schedule, main kernels, merges): the merge's share is this minus fwd_shipped_ms
-    row["fmsa_forward_ms"] = bench(lambda: fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG))
-    # the same with FWD_TMA (partials by TMA bulk copies in tile order), checked bit for bit
-    o_ref = fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG)
-    fmsa.FWD_TMA = True
+    # the whole forward with the row stores (fmsa_forward_ms) and with FWD_TMA (partials by TMA bulk
+    # copies in key order, fmsa_forward_tma_ms), checked bit for bit against each other
+    shipped_tma = fmsa.FWD_TMA
     try:
+        fmsa.FWD_TMA = False
+        row["fmsa_forward_ms"] = bench(lambda: fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG))
+        o_ref = fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG)
+        fmsa.FWD_TMA = True
         if fmsa._fwd_tma(q):
             o_tma = fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG)
             row["fmsa_forward_tma_bitwise"] = all(torch.equal(a, b) for a, b in zip(o_ref, o_tma))
             del o_tma
             row["fmsa_forward_tma_ms"] = bench(lambda: fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG))
+        del o_ref
     finally:
-        fmsa.FWD_TMA = False
-    del o_ref
+        fmsa.FWD_TMA = shipped_tma
 
     n_part = len(list(fmsa._partitions(csr, HKG)))
     buf = torch.empty(fmsa.partition_rows(T, chunk, HKG, G, S), D, device=device, dtype=q.dtype)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import os
 import sys
 
@@ -262,8 +263,12 @@ def rope_dispatcher(hf_apply):
 
     if isinstance(hf_apply, nn.Module):
         base = type(hf_apply)
-        body = {"forward": lambda self, *a, **kw: apply_rotary_pos_emb(*a, **kw), _DISPATCH: True,
-                "__module__": base.__module__}
+
+        def forward(self, *a, **kw):
+            return apply_rotary_pos_emb(*a, **kw)
+
+        forward.__signature__ = inspect.signature(base.forward)  # what `kernels` validates layers by
+        body = {"forward": forward, _DISPATCH: True, "__module__": base.__module__}
         return type(base.__name__, (base,), body)()
     apply_rotary_pos_emb = functools.wraps(hf_apply)(apply_rotary_pos_emb)
     setattr(apply_rotary_pos_emb, _DISPATCH, True)

@@ -37,7 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.tools.tensor_descriptor import TensorDescriptor
+try:  # Triton >= 3.4; older Tritons keep the row stores (FWD_TMA / BWD_TMA then do nothing)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 from flash_msa.utils.csr import (
     SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, padded_key_rows, tile_bound,
@@ -435,9 +438,16 @@ MERGE_WARPS_SMALL_G = 1
 
 
 def _tma(flag: bool, q: torch.Tensor) -> bool:
-    """Whether a kernel writes its partials by TMA (``flag``: FWD_TMA or BWD_TMA): on Hopper or
-    later, or in the CPU interpreter, which emulates the copies."""
-    return flag and (not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9)
+    """Whether a kernel writes its partials by TMA (``flag``: FWD_TMA or BWD_TMA): on NVIDIA Hopper
+    or later with 2-byte inputs (what was measured; the dk/dv kernel's fp32 staging tile would not
+    fit its shared memory), or in the CPU interpreter, which emulates the copies. Needs Triton's
+    host-side tensor descriptors (3.4+)."""
+    if not flag or TensorDescriptor is None:
+        return False
+    if not q.is_cuda:
+        return True
+    return (torch.version.hip is None and q.element_size() == 2
+            and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 
 def _fwd_tma(q: torch.Tensor) -> bool:
@@ -623,7 +633,11 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
                                  f"got {tuple(x.shape)} {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}")
     write_dq = dq_partial is not None
     tma = write_dq and _tma(BWD_TMA, q)
-    if tma:  # dq_partial has dq_partial_rows() rows: keys padded to BM
+    if tma:  # dq_partial needs dq_partial_rows() rows: keys padded to BM
+        need = dq_partial_rows(q, csr, HKG, G)
+        if dq_partial.shape[0] < need:
+            raise ValueError(f"dq_partial has {dq_partial.shape[0]} rows; with BWD_TMA it needs "
+                             f"dq_partial_rows() = {need}")
         dq_arg = TensorDescriptor.from_tensor(dq_partial, [BM, D])
         pidx = torch.empty(partition_rows(T, Tc, HKG, G, S) // G, device=q.device, dtype=torch.int32)
         key_rows = padded_key_rows(csr, G, BM)

@@ -5,7 +5,8 @@ import torch
 
 from flash_msa.selection import fmsa
 from tests.helpers import assert_close
-from tests.kernels.selection._cases import assert_matches_reference, make_case, run, seq_starts, tolerance
+from tests.kernels.selection._cases import (
+    assert_matches_reference, kernel_dtype, make_case, run, seq_starts, tolerance)
 
 IMPLS = ["fmsa", "nsa"]
 
@@ -237,3 +238,19 @@ def test_fmsa_tma_partials(shape, chunk, heads, device, monkeypatch):
     tma = assert_matches_reference("fmsa", c, device, **kw)
     for name, a, b in zip(("o", "dq", "dk", "dv"), rows, tma):
         assert torch.equal(a, b), name
+
+
+def test_fmsa_tma_dq_buffer_too_small_is_refused(device):
+    """With BWD_TMA the dq-part buffer needs each key's rows padded to a tile: a buffer of the
+    unpadded size is refused with the size it needs, before any kernel writes past it."""
+    if not fmsa._tma(fmsa.BWD_TMA, torch.empty(1, device=device, dtype=kernel_dtype(device))):
+        pytest.skip("no TMA writes here")
+    c = make_case(40, 1, 2, 16, 2, 16, device)
+    q, k, v, do = (x.detach()[0] for x in (c.q, c.k, c.v, c.do))
+    bi = c.block_indices[0]
+    o, lse, (csr, HKG) = fmsa.fmsa_forward(q, k, v, bi, c.block_size, c.cu_seqlens, c.scale)
+    delta = fmsa.attention_delta(o, do)
+    rows = fmsa.partition_rows(40, csr.chunk_size, HKG, 2, csr.S)
+    small = torch.empty(rows, 16, device=q.device, dtype=q.dtype)
+    with pytest.raises(ValueError, match=r"dq_partial has \d+ rows; with BWD_TMA it needs dq_partial_rows\(\)"):
+        fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, c.scale, small, HKG, bi, torch.empty_like(q))

@@ -42,12 +42,10 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_selected import make_indices, useful_flops  # noqa: E402
 
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
-
 from flash_msa.selection import fmsa  # noqa: E402
 from flash_msa.selection.fmsa import _block_keys, _partial_rows  # noqa: E402
 from flash_msa.utils.csr import (  # noqa: E402
-    build_selection_csr, get_block_meta, multi_segment_slots, padded_key_rows, tile_bound, tile_schedule)
+    build_selection_csr, get_block_meta, multi_segment_slots, tile_bound, tile_schedule)
 
 FWD_MODES = {"full": 0, "contiguous": 1, "copy": 2, "gather": 3, "store": 4,
              "full_seq": 5, "copy_seq": 6, "store_seq": 7, "full_tma": 8, "store_tma": 9}
@@ -254,10 +252,8 @@ def fwd_launcher(q, k, v, bi, csr, HKG, scale, mode):
     po = torch.zeros(rows, D, device=q.device, dtype=q.dtype)  # zeros: rows no partition writes compare equal
     plse = torch.zeros(rows, device=q.device, dtype=torch.float32)
     if mode == "shipped_tma":  # fmsa_fwd_kernel with TMA: tile-ordered buffer, descriptor, entry rows
-        po = torch.zeros(rows + HKG * meta.num_blocks * BM, D, device=q.device, dtype=q.dtype)
-        desc = TensorDescriptor.from_tensor(po, [BM, D])
-        pidx = torch.zeros(rows // G, device=q.device, dtype=torch.int32)
-        key_rows = padded_key_rows(csr, G, BM)
+        po = torch.zeros(fmsa.padded_rows(rows, HKG, meta.num_blocks, BM), D, device=q.device, dtype=q.dtype)
+        desc, pidx, key_rows = fmsa._tma_index(po, csr, G, BM, rows)
     launches = []
     for i_c, c0, hk0, k_lo in fmsa._partitions(csr, HKG):
         grid = (tile_bound(min(Tc, T - c0) * HKG * S, G, R, HKG * fmsa.chunk_blocks(csr, i_c)),)
@@ -374,7 +370,7 @@ def probe(T, HK, G, D, bs, S, seed=0, modes=None):
         row["fmsa_forward_ms"] = bench(lambda: fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG))
         o_ref = fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG)
         fmsa.FWD_TMA = True
-        if fmsa._fwd_tma(q):
+        if fmsa._tma(fmsa.FWD_TMA, q):
             o_tma = fmsa.fmsa_fwd(q, k, v, bi, csr, scale, HKG)
             row["fmsa_forward_tma_bitwise"] = all(torch.equal(a, b) for a, b in zip(o_ref, o_tma))
             del o_tma

@@ -450,8 +450,18 @@ def _tma(flag: bool, q: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 
-def _fwd_tma(q: torch.Tensor) -> bool:
-    return _tma(FWD_TMA, q)
+def padded_rows(rows: int, HKG: int, num_blocks: int, BM: int) -> int:
+    """Rows of a partial buffer of ``rows`` rows in key order (TMA writes), each key's rows padded
+    to a multiple of BM: at most BM more per (KV head, block) of a partition."""
+    return rows + HKG * num_blocks * BM
+
+
+def _tma_index(buf: torch.Tensor, csr: SelectionCSR, G: int, BM: int, rows: int):
+    """What a kernel writing ``buf`` by TMA in key order takes: the descriptor of its BM-row tiles,
+    the per-entry row index it fills (one per G rows of the unpadded ``rows``) and the keys'
+    padded first rows."""
+    return (TensorDescriptor.from_tensor(buf, [BM, buf.shape[1]]),
+            torch.empty(rows // G, device=buf.device, dtype=torch.int32), padded_key_rows(csr, G, BM))
 
 
 def dq_partial_rows(q: torch.Tensor, csr: SelectionCSR, HKG: int, G: int) -> int:
@@ -460,7 +470,7 @@ def dq_partial_rows(q: torch.Tensor, csr: SelectionCSR, HKG: int, G: int) -> int
     T, _, D = q.shape
     rows = partition_rows(T, csr.chunk_size, HKG, G, csr.S)
     if _tma(BWD_TMA, q):
-        rows += HKG * csr.meta.num_blocks * _bwd_tile_rows(D, csr.meta.block_size)
+        rows = padded_rows(rows, HKG, csr.meta.num_blocks, _bwd_tile_rows(D, csr.meta.block_size))
     return rows
 
 
@@ -575,18 +585,11 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
         o = torch.empty_like(q)
         lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
     rows = partition_rows(T, Tc, HKG, G, S)
-    tma = _fwd_tma(q)
+    tma = _tma(FWD_TMA, q)
     pdt = torch.float32 if q.dtype == torch.float32 else q.dtype
-    if tma:  # key order, each key's last tile padded: at most BM - 1 rows more per key
-        po = torch.empty(rows + HKG * meta.num_blocks * BM, D, device=q.device, dtype=pdt)
-        pidx = torch.empty(rows // G, device=q.device, dtype=torch.int32)
-        key_rows = padded_key_rows(csr, G, BM)
-        po_arg = TensorDescriptor.from_tensor(po, [BM, D])
-    else:
-        po = po_arg = torch.empty(rows, D, device=q.device, dtype=pdt)
+    po = torch.empty(padded_rows(rows, HKG, meta.num_blocks, BM) if tma else rows, D, device=q.device, dtype=pdt)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
-    if not tma:
-        pidx = key_rows = plse  # not read
+    po_arg, pidx, key_rows = _tma_index(po, csr, G, BM, rows) if tma else (po, plse, plse)  # (plse: not read)
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         entries = min(Tc, T - c0) * HKG * S
         fmsa_fwd_kernel[(tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)](
@@ -638,9 +641,7 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
         if dq_partial.shape[0] < need:
             raise ValueError(f"dq_partial has {dq_partial.shape[0]} rows; with BWD_TMA it needs "
                              f"dq_partial_rows() = {need}")
-        dq_arg = TensorDescriptor.from_tensor(dq_partial, [BM, D])
-        pidx = torch.empty(partition_rows(T, Tc, HKG, G, S) // G, device=q.device, dtype=torch.int32)
-        key_rows = padded_key_rows(csr, G, BM)
+        dq_arg, pidx, key_rows = _tma_index(dq_partial, csr, G, BM, partition_rows(T, Tc, HKG, G, S))
     else:
         dq_arg = dq_partial if write_dq else dk_acc
         pidx = key_rows = dk_acc  # not read
@@ -686,7 +687,7 @@ def fmsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: flo
         HKG = partition_heads(T, HK, chunk_size, heads)
     meta = get_block_meta(cu_seqlens, T, block_size)
     # the kernels index partial rows in int32; with TMA each key's rows are padded to a tile
-    rows = partition_rows(T, chunk_size, HKG, HQ // HK, S) + HKG * meta.num_blocks * max(FWD_BM, BWD_BM)
+    rows = padded_rows(partition_rows(T, chunk_size, HKG, HQ // HK, S), HKG, meta.num_blocks, max(FWD_BM, BWD_BM))
     if rows >= 2 ** 31:
         raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
                          "(chunk * KV heads per partition * G * S, plus a tile per key); it must be < 2^31")

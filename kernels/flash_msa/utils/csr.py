@@ -215,6 +215,14 @@ def tile_bound(entries: int, G: int, R: int, keys: int) -> int:
     return (entries * G + R - 1) // R + min(entries, keys)
 
 
+def _key_tile_starts(csr: SelectionCSR, G: int, BM: int) -> torch.Tensor:
+    """int64 [num_keys + 1]: first tile of BM rows (G per entry) of each key, then the total."""
+    counts = (csr.key_offsets[1:] - csr.key_offsets[:-1]).to(torch.int64)  # [num_keys]
+    ntiles = (counts * G + BM - 1) // BM
+    incl = ntiles.cumsum(0)
+    return torch.cat([incl - ntiles, incl[-1:]])
+
+
 def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row tiles of BM (entry, head-in-group) rows: row r of a key is entry r // G, head r % G.
 
@@ -224,10 +232,8 @@ def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, tor
             Keys are numbered (chunk, KV head, block), so the tiles of any run of consecutive
             keys, such as one chunk's keys of one KV head, are ``[tile_first[lo], tile_first[hi])``.
     """
-    counts = (csr.key_offsets[1:] - csr.key_offsets[:-1]).to(torch.int64)  # [num_keys]
-    ntiles = (counts * G + BM - 1) // BM
-    incl = ntiles.cumsum(0)
-    first = torch.cat([incl - ntiles, incl[-1:]])
+    first = _key_tile_starts(csr, G, BM)
+    incl = first[1:]
     E = csr.meta.T * csr.HK * csr.S
     bound = tile_bound(E, G, BM, csr.num_chunks * csr.keys_per_chunk)
     tile_key = torch.searchsorted(
@@ -238,10 +244,7 @@ def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, tor
 def padded_key_rows(csr: SelectionCSR, G: int, BM: int) -> torch.Tensor:
     """int64 [num_keys + 1]: first row of each key when every key's rows (G per entry) are padded
     to a multiple of BM, then the total; a partition's rows start at its first key's value."""
-    counts = (csr.key_offsets[1:] - csr.key_offsets[:-1]).to(torch.int64) * G
-    padded = (counts + BM - 1) // BM * BM
-    incl = padded.cumsum(0)
-    return torch.cat([incl - padded, incl[-1:]])
+    return _key_tile_starts(csr, G, BM) * BM
 
 
 def multi_segment_slots(csr: SelectionCSR, G: int, R: int) -> torch.Tensor:

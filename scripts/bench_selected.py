@@ -31,10 +31,9 @@ IMPL_NAMES = ("fmsa", "nsa")
 FLA = None  # fla-core selected attention, set in main
 
 
-def make_indices(T: int, HK: int, S: int, bs: int, device, gen, forced: bool = True) -> torch.Tensor:
+def make_indices(T: int, HK: int, S: int, bs: int, device, gen) -> torch.Tensor:
     """Realistic selection for one sequence of T tokens: block 0 and the 2 local blocks forced,
-    the rest random distinct earlier blocks; -1 where a query has fewer than S blocks. int32 [T, HK, S].
-    Without ``forced`` all are random (a probe of the near-block path when NSA's forcing is absent)."""
+    the rest random distinct earlier blocks; -1 where a query has fewer than S blocks. int32 [T, HK, S]."""
     nb = (T + bs - 1) // bs
     out = torch.empty(T, HK, S, dtype=torch.int32, device=device)
     chunk = max(1, (1 << 27) // (HK * nb))
@@ -43,8 +42,8 @@ def make_indices(T: int, HK: int, S: int, bs: int, device, gen, forced: bool = T
         t = torch.arange(c0, min(T, c0 + chunk), device=device)
         own = (t // bs)[:, None, None]
         score = torch.rand(len(t), HK, nb, device=device, generator=gen)
-        if forced:
-            score = torch.where((blk == 0) | (blk == own) | (blk == own - 1), score + 2, score)
+        forced = (blk == 0) | (blk == own) | (blk == own - 1)
+        score = torch.where(forced, score + 2, score)
         score = torch.where(blk <= own, score, torch.full_like(score, -1.))
         val, idx = score.topk(min(S, nb), dim=-1)
         idx = torch.where(val >= 0, idx, torch.full_like(idx, -1)).int()
@@ -92,7 +91,7 @@ def run_impl(name, q, k, v, bi, bs, cu, do, backward=True):
     return o, q.grad, k.grad, v.grad
 
 
-def make_inputs(T, HK, G, D, S, bs, device, seed=0, forced=True):
+def make_inputs(T, HK, G, D, S, bs, device, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
     def rnd(*shape):  # random, never zero; made in bf16 so that 1M tokens need no fp32 temporaries
         x = torch.randn(*shape, device=device, generator=gen, dtype=torch.bfloat16)
@@ -101,7 +100,7 @@ def make_inputs(T, HK, G, D, S, bs, device, seed=0, forced=True):
     k = rnd(1, T, HK, D).requires_grad_()
     v = rnd(1, T, HK, D).requires_grad_()
     do = rnd(1, T, HK * G, D)
-    bi = make_indices(T, HK, S, bs, device, gen, forced)[None]
+    bi = make_indices(T, HK, S, bs, device, gen)[None]
     return q, k, v, do, bi
 
 
@@ -187,30 +186,6 @@ def bench_shape(T, G, D, S, bs, device, warmup, rep, skip_bwd_over):
     return row
 
 
-def profile_fwd(T, G, D, S, bs, device, names=("FWD_NEAR",)):
-    """torch.profiler kernel tables of the fmsa forward with each of ``names`` (fmsa globals) on and off."""
-    from flash_msa.selection import fmsa
-    HK = 4 if G == 16 else 8
-    q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
-    cu = default_cu_seqlens(1, T, device)
-    run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5)
-    for name in names:
-        base = getattr(fmsa, name)
-        for val in (base, not base):
-            setattr(fmsa, name, val)
-            with torch.no_grad():
-                for _ in range(3):
-                    run()
-                torch.cuda.synchronize()
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        run()
-                    torch.cuda.synchronize()
-            print(f"== fmsa forward T={T} G={G} {name}={val} (5 calls)", flush=True)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
-        setattr(fmsa, name, base)
-
-
 def profile(T, G, D, S, bs, device):
     """Kernel time table of one fwd+bwd of each impl (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -228,18 +203,18 @@ def profile(T, G, D, S, bs, device):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
 
 
-def variants(T, G, D, S, bs, device, forced=1):
+def variants(T, G, D, S, bs, device):
     """fmsa forward and forward+backward under launch-setting and kernel variants (module globals
     of fmsa; the key "call" holds keyword arguments of the call, such as the partition), each
     checked against the first variant's outputs (o, dq, dk, dv) before timing, with the peak
     memory it allocates on top of the inputs."""
     from flash_msa.selection import fmsa
     HK = 4 if G == 16 else 8
-    q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device, forced=bool(forced))
+    q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
     names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
              "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG",
-             "PARTIAL_BUDGET_PER_TOKEN", "FWD_TMA", "FWD_TMA_STAGES", "BWD_TMA", "FWD_NEAR", "NEAR_BM", "NEAR_WARPS", "NEAR_STAGES", "NEAR_MAXNREG")
+             "PARTIAL_BUDGET_PER_TOKEN", "FWD_TMA", "FWD_TMA_STAGES", "BWD_TMA")
     base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
@@ -272,11 +247,12 @@ def variants(T, G, D, S, bs, device, forced=1):
     # The forward's partials and the backward's dq parts by TMA bulk copies in key order (FWD_TMA,
     # BWD_TMA, shipped on Hopper) against the row stores, and the TMA kernel's launch settings
     # (selected_variants16_h200.log; its runs predate TMA as the default).
-    # Each query's near blocks (block 0, own - 1, own) computed in the merge (FWD_NEAR, shipped) against
-    # through the CSR, and the near merge's tiles; with forced=0 on indices that do not force them.
-    near = [{"FWD_NEAR": False}, {"NEAR_MAXNREG": 168}, {"NEAR_MAXNREG": 128}, {"NEAR_STAGES": 2, "NEAR_MAXNREG": 168}]
-    fwd_variants = [{}, *near, {}]
-    bwd_variants = [{}, {"FWD_NEAR": False}, {}]
+    # Each query's near blocks (block 0, own - 1, own) by a dense kernel of their own, the forward's
+    # schedule skipping them (FWD_NEAR, NEAR_*), no faster: selected_near_h200.log (commit d07b488's).
+    tma = [{"FWD_TMA": False}, {"FWD_TILES": 8}, {"FWD_TILES": 16}, {"FWD_TILES": 2}, {"FWD_MAXNREG": 112},
+           {"FWD_TMA_STAGES": 2}, {"FWD_BM": 128, "FWD_WARPS": 8, "FWD_TILES": 2}]
+    fwd_variants = [{}, *tma, {}]
+    bwd_variants = [{}, {"FWD_TMA": False, "BWD_TMA": False}, {"FWD_TMA": False}, {"BWD_TMA": False}, {}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:
@@ -303,10 +279,10 @@ def variants(T, G, D, S, bs, device, forced=1):
                     mem = peak_extra(fb_fn, 2 * q.numel() * q.element_size() + 2 * k.numel() * k.element_size())  # o, dq, dk, dv
                     q.grad = k.grad = v.grad = None
                     ms = triton.testing.do_bench(fb_fn, warmup=5, rep=20, grad_to_none=[q, k, v], return_mode="median")
-                print(f"variant T={T} G={G}{'' if forced else ' unforced'} {kind} {var or 'default'}: {ms:.2f} ms, peak extra {mem:.0f} MiB "
+                print(f"variant T={T} G={G} {kind} {var or 'default'}: {ms:.2f} ms, peak extra {mem:.0f} MiB "
                       f"(max rel RMS vs first {err:.1e})", flush=True)
             except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
-                print(f"variant T={T} G={G}{'' if forced else ' unforced'} {kind} {var or 'default'}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"variant T={T} G={G} {kind} {var or 'default'}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
     for n, x in base.items():
         setattr(fmsa, n, x)
     # CSR build alone (part of the forward)
@@ -462,9 +438,7 @@ def main():
     ap.add_argument("--rep", type=int, default=40)
     ap.add_argument("--skip-bwd-over", type=int, default=1 << 30, help="time only the forward above this T")
     ap.add_argument("--profile", default="", help="T,G: print a torch.profiler kernel table of fmsa and nsa fwd+bwd, then exit")
-    ap.add_argument("--profile-fwd", default="", help="T,G: kernel tables of the fmsa forward with FWD_NEAR on and off, then exit")
-    ap.add_argument("--variants", default="",
-                    help="T,G[,forced];...: time fmsa launch-setting variants (forced=0: indices without forced blocks), then exit")
+    ap.add_argument("--variants", default="", help="T,G: time fmsa launch-setting variants, then exit")
     ap.add_argument("--partitions", default="", help="T,G,chunk,chunk,...: the L2 probe of partition sizes, then exit")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core's parallel_nsa at G >= 16")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; stop starting new shapes after it")
@@ -483,16 +457,13 @@ def main():
     print(f"{dev}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     if args.profile:
         profile(*[int(x) for x in args.profile.split(",")], D, S, bs, device)
-    if args.profile_fwd:
-        profile_fwd(*[int(x) for x in args.profile_fwd.split(",")], D, S, bs, device)
     if args.variants:
         for tg in args.variants.split(";"):
-            T, G, *forced = [int(x) for x in tg.split(",")]
-            variants(T, G, D, S, bs, device, *forced)
+            variants(*[int(x) for x in tg.split(",")], D, S, bs, device)
     if args.partitions:
         T, G, *chunks = [int(x) for x in args.partitions.split(",")]
         partition_probe(T, G, D, S, bs, device, chunks)
-    if args.profile or args.profile_fwd or args.variants or args.partitions:
+    if args.profile or args.variants or args.partitions:
         return
     checks = {}
     for G in Gs:

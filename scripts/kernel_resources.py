@@ -103,9 +103,8 @@ def cases():
         _, HKG = fmsa.default_partition(65536, HQ, 8, 16, 128, 2)
         for tma in (False, True):  # partials by TMA bulk copies in tile order (FWD_TMA), or row stores
             po = f"tensordesc<bf16[{fmsa.FWD_BM}, 128]>" if tma else B
-            sig = dict(q=B, k=B, v=B, po=po, plse=F, pidx=I, key_rows="*i64", entry_ids=I, key_offsets=I, key_end=I,
-                       tile_key=I, tile_first=I, block_start=I, block_end=I, k_lo="i32", c0="i32", hk0="i32", NB="i32",
-                       scale2="fp32")
+            sig = dict(q=B, k=B, v=B, po=po, plse=F, pidx=I, key_rows="*i64", entry_ids=I, key_offsets=I, tile_key=I, tile_first=I,
+                       block_start=I, block_end=I, k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32")
             out.append((f"fmsa_fwd{' tma' if tma else ''} G={G}", fmsa.fmsa_fwd_kernel, sig,
                         dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=fmsa.FWD_BM, NT=fmsa.FWD_TILES, HKG=HKG,
                              TMA=tma),
@@ -113,17 +112,10 @@ def cases():
                         dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa._fwd_stages(tma, 64, 128),
                              **({"maxnreg": fmsa.FWD_MAXNREG} if fmsa.FWD_MAXNREG else {}))))
         sig = dict(po=B, plse=F, pidx=I, o=B, lse=F, block_indices=I, tok_start=I, c0="i64", hk0="i32", T="i32")
-        # local: the whole op's (fused.py); near: with FWD_NEAR
-        for local, tma, near in ((0, False, 0), (2, False, 0), (0, True, 0), (2, True, 1)):
-            name = "near" if near else "local" if local else ""
-            out.append((f"fmsa_merge{' ' + name if name else ''}{' tma' if tma else ''} G={G}", fmsa.fmsa_merge_kernel,
+        for local, tma in ((0, False), (2, False), (0, True)):  # local: the whole op's (fused.py)
+            out.append((f"fmsa_merge{' local' if local else ''}{' tma' if tma else ''} G={G}", fmsa.fmsa_merge_kernel,
                         sig, dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16, HKG=HKG,
-                                  LOCAL=local, TMA=tma, NEAR=near), ("T",), dict(num_warps=fmsa._merge_warps(G))))
-        sig = dict(q=B, k=B, v=B, o=B, lse=F, block_indices=I, tok_start=I, tok_block0=I, block_start=I,
-                   block_end=I, T="i32", scale2="fp32")
-        out.append((f"fmsa_near_fwd G={G}", fmsa.fmsa_near_fwd_kernel, sig,  # FWD_NEAR's near blocks
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BT=max(1, fmsa.NEAR_BM // G), BM=fmsa.NEAR_BM, BSS=16),
-                    ("T",), dict(num_warps=fmsa.NEAR_WARPS, num_stages=fmsa.NEAR_STAGES)))
+                                  LOCAL=local, TMA=tma), ("T",), dict(num_warps=fmsa._merge_warps(G))))
         BM = fmsa._bwd_tile_rows(128, 64)
         for tma in (False, True):  # dq parts by TMA bulk copies in key order (BWD_TMA), or row stores
             dqp = f"tensordesc<bf16[{BM}, 128]>" if tma else B

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 from flash_msa.utils.csr import (
-    SelectionCSR, build_selection_csr, get_block_meta, key_ends, multi_segment_slots, padded_key_rows, tile_bound,
+    SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, padded_key_rows, tile_bound,
     tile_schedule)
 from flash_msa.utils.validation import check_triton_device
 from flash_msa.utils.varlen import flatten_batch
@@ -130,7 +130,7 @@ def _fwd_rows(q, po, plse, pidx, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_
 
 @triton.jit
 def fmsa_fwd_kernel(
-    q, k, v, po, plse, pidx, key_rows, entry_ids, key_offsets, key_end, tile_key, tile_first,
+    q, k, v, po, plse, pidx, key_rows, entry_ids, key_offsets, tile_key, tile_first,
     block_start, block_end, k_lo, c0, hk0, NB, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, HKG: tl.constexpr, TMA: tl.constexpr,
@@ -139,8 +139,7 @@ def fmsa_fwd_kernel(
     # the block's K/V are loaded once, then NT row tiles of BM rows. The partition's keys are
     # [k_lo, k_lo + HKG * NB); programs past its last group do nothing. With TMA the partial
     # outputs go by bulk copies in key order, each key's rows padded to a multiple of BM (key_rows:
-    # padded_key_rows), and pidx maps each entry to its first row there. A key's entries are
-    # [key_offsets[key], key_end[key]) (csr.key_ends: with near blocks, those before them).
+    # padded_key_rows), and pidx maps each entry to its first row there.
     i_end = tl.load(tile_first + k_lo + HKG * NB)
     i_grp = tl.load(tile_first + k_lo) + tl.program_id(0)
     if i_grp >= i_end:
@@ -148,7 +147,7 @@ def fmsa_fwd_kernel(
     i_key = tl.load(tile_key + i_grp)
     i_hk = (i_key // NB) % HK
     i_e0 = tl.load(key_offsets + i_key)
-    n_rows = (tl.load(key_end + i_key) - i_e0) * G
+    n_rows = (tl.load(key_offsets + i_key + 1) - i_e0) * G
     r0 = (i_grp - tl.load(tile_first + i_key)) * (NT * BM)
     o_k, m_k, p_kv = _block_keys(block_start, block_end, i_key % NB, i_hk, HK, D, BS)
     b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)  # [BS, D]
@@ -167,13 +166,12 @@ def fmsa_merge_kernel(
     po, plse, pidx, o, lse, block_indices, tok_start, c0, hk0, T,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BG: tl.constexpr, BSS: tl.constexpr, HKG: tl.constexpr, LOCAL: tl.constexpr,
-    TMA: tl.constexpr, NEAR: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # TMA: the partial outputs are in key order (fmsa_fwd_kernel), each entry's first row in pidx
     # LOCAL > 0: the token's last LOCAL blocks are not in the partials (the CSR left them out);
     # o / lse hold their partial output and lse (log2) on entry, written by the window kernel
-    # (flash_msa/fused.py), which this merges first. NEAR (with LOCAL = 2): nor is block 0, and o /
-    # lse hold fmsa_near_fwd_kernel's output, lse -inf where the token selected no near block.
+    # (flash_msa/fused.py), which this merges first.
     i_t = c0 + tl.program_id(0).to(tl.int64)
     i_hk = hk0 + tl.program_id(1)
     if i_t >= T:
@@ -185,15 +183,14 @@ def fmsa_merge_kernel(
     # pass 1: max of the valid slots' lse, all slots loaded at once. [BSS, BG]
     o_s = tl.arange(0, BSS)
     b_idx = tl.load(block_indices + (i_t * HK + i_hk) * S + o_s, mask=o_s < S, other=-1)
-    m_sv = (b_idx >= NEAR) & (b_idx <= own - LOCAL)
+    m_sv = (b_idx >= 0) & (b_idx <= own - LOCAL)
     o_row = ((i_t - c0) * HKG + tl.program_id(1)) * S  # first partial entry of this (token, KV head)
     m_sg = m_sv[:, None] & m_g[None, :]
     b_lse = tl.load(plse + (o_row + o_s)[:, None] * G + o_g[None, :], mask=m_sg, other=float("-inf"))
     b_m = tl.max(b_lse, 0)  # [BG]
     o_h = i_t * HQ + i_hk * G + o_g
     if LOCAL > 0:
-        # never -inf from the window kernel (the own block holds the token); with NEAR it may be
-        b_lloc = tl.load(lse + o_h, mask=m_g, other=0.)
+        b_lloc = tl.load(lse + o_h, mask=m_g, other=0.)  # never -inf: the own block holds the token
         b_m = tl.maximum(b_m, b_lloc)
     b_ok = b_m > float("-inf")
     b_m = tl.where(b_ok, b_m, 0.)
@@ -206,7 +203,7 @@ def fmsa_merge_kernel(
         b_acc += tl.load(o + o_h[:, None] * D + o_d[None, :], mask=m_g[:, None], other=0.).to(tl.float32) * b_wl[:, None]
     for i_s in tl.static_range(S):
         b_iv = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64))  # [BG], one value
-        m_v = (b_iv >= NEAR) & (b_iv <= own - LOCAL) & m_g
+        m_v = (b_iv >= 0) & (b_iv <= own - LOCAL) & m_g
         o_p = (o_row + i_s) * G + o_g  # [BG]
         b_w = tl.exp2(tl.load(plse + o_p, mask=m_v, other=float("-inf")) - b_m)
         if TMA:
@@ -216,69 +213,6 @@ def fmsa_merge_kernel(
     b_l = tl.where(b_ok, b_l, 1.)
     tl.store(o + o_h[:, None] * D + o_d[None, :], (b_acc / b_l[:, None]).to(o.dtype.element_ty), mask=m_g[:, None])
     tl.store(lse + o_h, tl.where(b_ok, b_m + tl.log2(b_l), 0.), mask=m_g)
-
-
-@triton.jit
-def fmsa_near_fwd_kernel(
-    q, k, v, o, lse, block_indices, tok_start, tok_block0, block_start, block_end, T, scale2,
-    HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BSS: tl.constexpr,
-):
-    # The near blocks of a CSR built with ``near`` (csr.near_entries), which its forward leaves out:
-    # each token's block 0 of its sequence, its own block and the one before, when it selected them.
-    # One program per (BT consecutive tokens, KV head), row r < BT * G being token r // G, head r % G:
-    # the tile's tokens share these blocks, so they are dense [BM, BS] tiles here, with no gather.
-    # Writes their attention's output and lse (log2) to o / lse, 0 and -inf for a row without any,
-    # which fmsa_merge_kernel (NEAR) then merges with the partials of the other blocks.
-    i_hk = tl.program_id(1)
-    t0 = tl.program_id(0) * BT  # int32: tokens < 2^31
-    o_r = tl.arange(0, BM)
-    b_t = t0 + o_r // G
-    m_r = (o_r < BT * G) & (b_t < T)
-    b_t = tl.where(m_r, b_t, t0)
-    own = (b_t - tl.load(tok_start + b_t)) // BS  # [BM] local block of each row's token
-    g_0 = tl.load(tok_block0 + b_t)  # [BM] global id of its sequence's block 0
-    g_own = g_0 + own
-    o_s = tl.arange(0, BSS)
-    b_idx = tl.load(block_indices + (b_t.to(tl.int64) * HK + i_hk)[:, None] * S + o_s[None, :],
-                    mask=m_r[:, None] & (o_s[None, :] < S), other=-1)  # [BM, BSS]
-    # which near blocks each row selected (entries are distinct; -1 is never a block)
-    f_0 = tl.max((b_idx == 0).to(tl.int32), 1) > 0
-    f_own = tl.max((b_idx == own[:, None]).to(tl.int32), 1) > 0
-    f_prev = tl.max(((b_idx == own[:, None] - 1) & (b_idx >= 0)).to(tl.int32), 1) > 0
-    o_d = tl.arange(0, D)
-    o_h = b_t.to(tl.int64) * HQ + i_hk * G + o_r % G  # [BM] rows of q, o, lse
-    b_q = tl.load(q + o_h[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.)
-    # Candidate global blocks: from the first token's own - 1 (not before its block 0) to the last
-    # token's own, which hold every near block of the tile but the first token's block 0, taken
-    # first when it lies before them.
-    t1 = tl.minimum(t0 + BT, T) - 1
-    g0_f = tl.load(tok_block0 + t0)
-    g_lo = tl.maximum(g0_f, g0_f + (t0 - tl.load(tok_start + t0)) // BS - 1)
-    g_hi = tl.load(tok_block0 + t1) + (t1 - tl.load(tok_start + t1)) // BS
-    m_i = tl.full([BM], -1e30, dtype=tl.float32)  # finite: a row without near keys keeps l = 0
-    l_i = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
-    for j in range(tl.where(g0_f < g_lo, g_lo - 1, g_lo), g_hi + 1):
-        g_b = tl.where(j < g_lo, g0_f, j)
-        o_k = tl.load(block_start + g_b) + tl.arange(0, BS)
-        m_k = o_k < tl.load(block_end + g_b)
-        p_kv = (o_k.to(tl.int64) * HK + i_hk)[:, None] * D + o_d[None, :]
-        b_k = tl.load(k + p_kv, mask=m_k[:, None], other=0.)
-        b_v = tl.load(v + p_kv, mask=m_k[:, None], other=0.)
-        sel = ((g_b == g_0) & f_0) | ((g_b == g_own) & f_own) | ((g_b == g_own - 1) & f_prev)
-        m_s = (sel & m_r)[:, None] & m_k[None, :] & (o_k[None, :] <= b_t[:, None])
-        b_s = tl.where(m_s, tl.dot(b_q, tl.trans(b_k)) * scale2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        b_p = tl.exp2(b_s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(b_p, 1)
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-        m_i = m_new
-    b_ok = l_i > 0
-    l_i = tl.where(b_ok, l_i, 1.)
-    tl.store(o + o_h[:, None] * D + o_d[None, :], (acc / l_i[:, None]).to(o.dtype.element_ty), mask=m_r[:, None])
-    tl.store(lse + o_h, tl.where(b_ok, m_i + tl.log2(l_i), float("-inf")), mask=m_r)
 
 
 @triton.jit
@@ -501,13 +435,6 @@ BWD_MAXNREG = 0
 # (15.21 against 15.48 with one); benchmarks/results/selected_variants5_h200.log. The dq
 # reduction (same shape) measured the same with 1, 2 or 4 warps and keeps the default 4.
 MERGE_WARPS_SMALL_G = 1
-# FWD_NEAR: the forward computes each query's near blocks (its sequence's block 0, its own block and
-# the one before, csr.near_entries), which NSA forces into every selection, by a kernel of its own
-# (fmsa_near_fwd_kernel) in dense tiles of NEAR_BM rows (consecutive tokens x the G heads), which
-# share them; the main kernel and the partial buffer then hold only the other entries, and the merge
-# adds them to the near blocks' output. The backward still runs every entry through the CSR.
-FWD_NEAR = True
-NEAR_BM, NEAR_WARPS, NEAR_STAGES, NEAR_MAXNREG = 64, 4, 1, 0
 
 
 def _tma(flag: bool, q: torch.Tensor) -> bool:
@@ -529,12 +456,12 @@ def padded_rows(rows: int, HKG: int, num_blocks: int, BM: int) -> int:
     return rows + HKG * num_blocks * BM
 
 
-def _tma_index(buf: torch.Tensor, csr: SelectionCSR, G: int, BM: int, rows: int, forward: bool = False):
+def _tma_index(buf: torch.Tensor, csr: SelectionCSR, G: int, BM: int, rows: int):
     """What a kernel writing ``buf`` by TMA in key order takes: the descriptor of its BM-row tiles,
     the per-entry row index it fills (one per G rows of the unpadded ``rows``) and the keys'
-    padded first rows (of the entries the forward computes, with ``forward``)."""
+    padded first rows."""
     return (TensorDescriptor.from_tensor(buf, [BM, buf.shape[1]]),
-            torch.empty(rows // G, device=buf.device, dtype=torch.int32), padded_key_rows(csr, G, BM, forward))
+            torch.empty(rows // G, device=buf.device, dtype=torch.int32), padded_key_rows(csr, G, BM))
 
 
 def dq_partial_rows(q: torch.Tensor, csr: SelectionCSR, HKG: int, G: int) -> int:
@@ -650,8 +577,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
     meta, Tc = csr.meta, csr.chunk_size
     BM = _fwd_tile_rows(D, meta.block_size)
     R = BM * FWD_TILES  # rows of a program: FWD_TILES row tiles of one key
-    tile_key, tile_first = tile_schedule(csr, G, R, forward=True)
-    near = csr.fwd_end is not None
+    tile_key, tile_first = tile_schedule(csr, G, R)
     if csr.local:
         if o is None or lse is None:
             raise ValueError("fmsa_fwd: a CSR without the local blocks needs their partial output and lse as o, lse")
@@ -663,18 +589,11 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
     pdt = torch.float32 if q.dtype == torch.float32 else q.dtype
     po = torch.empty(padded_rows(rows, HKG, meta.num_blocks, BM) if tma else rows, D, device=q.device, dtype=pdt)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
-    po_arg, pidx, key_rows = _tma_index(po, csr, G, BM, rows, forward=True) if tma else (po, plse, plse)  # (plse: not read)
-    if near:  # o, lse of the near blocks, which the merges add the partials to
-        BT = max(1, NEAR_BM // G)
-        fmsa_near_fwd_kernel[(triton.cdiv(T, BT), HK)](
-            q, k, v, o, lse, block_indices, meta.tok_start, meta.tok_block0, meta.block_start, meta.block_end,
-            T, scale * LOG2E, HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BT=BT, BM=NEAR_BM,
-            BSS=triton.next_power_of_2(S), num_warps=NEAR_WARPS, num_stages=NEAR_STAGES, **_reg_cap(NEAR_MAXNREG, q))
+    po_arg, pidx, key_rows = _tma_index(po, csr, G, BM, rows) if tma else (po, plse, plse)  # (plse: not read)
     for i_c, c0, hk0, k_lo in _partitions(csr, HKG):
         entries = min(Tc, T - c0) * HKG * S
         fmsa_fwd_kernel[(tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)](
-            q, k, v, po_arg, plse, pidx, key_rows, csr.entry_ids, csr.key_offsets, key_ends(csr, True),
-            tile_key, tile_first,
+            q, k, v, po_arg, plse, pidx, key_rows, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG, TMA=tma,
             num_warps=FWD_WARPS, num_stages=_fwd_stages(tma, meta.block_size, D),
@@ -682,8 +601,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
             po, plse, pidx, o, lse, block_indices, meta.tok_start, c0, hk0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=2 if near else csr.local, TMA=tma, NEAR=int(near),
-            num_warps=_merge_warps(G))
+            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, TMA=tma, num_warps=_merge_warps(G))
     return o, lse
 
 
@@ -773,7 +691,7 @@ def fmsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: flo
     if rows >= 2 ** 31:
         raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
                          "(chunk * KV heads per partition * G * S, plus a tile per key); it must be < 2^31")
-    csr = build_selection_csr(block_indices, meta, chunk_size, local, near=FWD_NEAR and not local)
+    csr = build_selection_csr(block_indices, meta, chunk_size, local)
     o, lse = fmsa_fwd(q, k, v, block_indices, csr, scale, HKG, o, lse)
     return o, lse, (csr, HKG)
 

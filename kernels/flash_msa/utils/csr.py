@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -59,9 +58,6 @@ class SelectionCSR:
     entry_ids: torch.Tensor    # int32 [T * HK * S], valid entries first
     key_offsets: torch.Tensor  # int32 [num_chunks * HK * num_blocks + 1]
     local: int = 0             # each query's last ``local`` blocks are left out (valid_entries)
-    # with ``near``: int32 [num_keys], the end of each key's entries that name no near block
-    # (:func:`near_entries`), which come first in the key; the forward computes only those
-    fwd_end: Optional[torch.Tensor] = None
 
     @property
     def keys_per_chunk(self) -> int:
@@ -114,16 +110,6 @@ def valid_entries(block_indices: torch.Tensor, meta: BlockMeta, local: int = 0) 
     return (block_indices >= 0) & (block_indices <= own[:, None, None] - local)
 
 
-def near_entries(block_indices: torch.Tensor, meta: BlockMeta) -> torch.Tensor:
-    """bool [T, HK, S]: valid entries naming a "near" block of the query: its sequence's block 0 or
-    one of its own last two (own - 1, own). Consecutive queries share these, so fmsa's forward
-    computes them by dense tiles of consecutive tokens (``fmsa_merge_near_kernel``) rather than
-    through the CSR; NSA forces all three into every selection."""
-    T = block_indices.shape[0]
-    own = (torch.arange(T, device=block_indices.device) - meta.tok_start) // meta.block_size  # [T]
-    return valid_entries(block_indices, meta) & ((block_indices == 0) | (block_indices >= own[:, None, None] - 1))
-
-
 # build_selection_csr sorts int16 keys while num_keys + 1 values fit them (tests lower it)
 SHORT_KEYS_BELOW = 1 << 16
 
@@ -131,11 +117,9 @@ SHORT_KEYS_BELOW = 1 << 16
 @triton.jit
 def _entry_keys_kernel(block_indices, tok_start, tok_block0, key, N, chunk_size, NB, num_keys,
                        HK: tl.constexpr, S: tl.constexpr, BS: tl.constexpr, LOCAL: tl.constexpr,
-                       NEAR: tl.constexpr, SHORT: tl.constexpr, BLOCK: tl.constexpr):
+                       SHORT: tl.constexpr, BLOCK: tl.constexpr):
     # the sort key of each entry (t, hk, s) of block_indices [T, HK, S]: (chunk, KV head, global
-    # block), num_keys for an invalid entry; int32 arithmetic (num_keys < 2^31, checked by the caller).
-    # NEAR: twice that, plus 1 for an entry naming a near block (near_entries), and 2 * num_keys
-    # for an invalid one
+    # block), num_keys for an invalid entry; int32 arithmetic (num_keys < 2^31, checked by the caller)
     o_e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_e = o_e < N
     b_idx = tl.load(block_indices + o_e, mask=m_e, other=-1)
@@ -144,8 +128,6 @@ def _entry_keys_kernel(block_indices, tok_start, tok_block0, key, N, chunk_size,
     own = (b_t - tl.load(tok_start + b_t, mask=m_e, other=0)) // BS
     valid = (b_idx >= 0) & (b_idx <= own - LOCAL)
     b_key = ((b_t // chunk_size) * HK + b_hk) * NB + tl.load(tok_block0 + b_t, mask=m_e, other=0) + b_idx
-    if NEAR:
-        b_key = b_key * 2 + ((b_idx == 0) | (b_idx >= own - 1)).to(tl.int32)
     b_key = tl.where(valid, b_key, num_keys)
     if SHORT:
         tl.store(key + o_e, (b_key - 32768).to(tl.int16), mask=m_e)
@@ -154,29 +136,28 @@ def _entry_keys_kernel(block_indices, tok_start, tok_block0, key, N, chunk_size,
 
 
 def entry_keys(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0,
-               short: bool = False, near: bool = False) -> torch.Tensor:
+               short: bool = False) -> torch.Tensor:
     """The flat sort keys of :func:`build_selection_csr`: (chunk, KV head, global block) of each
     entry of ``block_indices`` [T, HK, S], ``num_keys`` for an invalid one (:func:`valid_entries`);
-    with ``near`` twice the key, plus 1 for an entry of :func:`near_entries`, and ``2 * num_keys``
-    for an invalid one; with ``short`` as int16, shifted by -2^15. One Triton kernel on the GPU (written by hand: the same
+    with ``short`` as int16, shifted by -2^15. One Triton kernel on the GPU (written by hand: the same
     in PyTorch is about ten elementwise passes over the T * HK * S entries, 0.2 ms at 64K on the H200,
     benchmarks/results/profile_nsa_by_op_64k_h200_a17dfc8.log); the PyTorch form on the CPU."""
     T, HK, S = block_indices.shape
     NB = meta.num_blocks
-    num_keys = _num_keys(T, HK, NB, chunk_size) * (2 if near else 1)
+    num_keys = _num_keys(T, HK, NB, chunk_size)
     block_indices = block_indices.contiguous()  # the kernel reads it flat
     if block_indices.is_cuda or _interpret():
         key = torch.empty(T * HK * S, device=block_indices.device, dtype=torch.int16 if short else torch.int32)
         BLOCK = 1024
         _entry_keys_kernel[(triton.cdiv(T * HK * S, BLOCK),)](
             block_indices, meta.tok_start, meta.tok_block0, key, T * HK * S, chunk_size, NB, num_keys,
-            HK=HK, S=S, BS=meta.block_size, LOCAL=local, NEAR=near, SHORT=short, BLOCK=BLOCK)
+            HK=HK, S=S, BS=meta.block_size, LOCAL=local, SHORT=short, BLOCK=BLOCK)
         return key
-    return entry_keys_torch(block_indices, meta, chunk_size, local, short, near)
+    return entry_keys_torch(block_indices, meta, chunk_size, local, short)
 
 
 def entry_keys_torch(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0,
-                     short: bool = False, near: bool = False) -> torch.Tensor:
+                     short: bool = False) -> torch.Tensor:
     """:func:`entry_keys` in PyTorch (the CPU path, and the kernel's reference in the tests)."""
     T, HK = block_indices.shape[:2]
     device = block_indices.device
@@ -187,9 +168,6 @@ def entry_keys_torch(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: i
     gblk = meta.tok_block0[:, None, None] + block_indices  # [T, HK, S]
     head = torch.arange(HK, device=device, dtype=torch.int32)[None, :, None]
     key = ((t // chunk_size)[:, None, None] * HK + head) * NB + gblk
-    if near:
-        key = key * 2 + near_entries(block_indices, meta).int()
-        num_keys *= 2
     key = torch.where(valid, key, torch.full_like(key, num_keys)).flatten()
     return (key - (1 << 15)).to(torch.int16) if short else key
 
@@ -203,38 +181,31 @@ def _num_keys(T: int, HK: int, NB: int, chunk_size: int) -> int:
     return -(-T // chunk_size) * HK * NB
 
 
-def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0,
-                        near: bool = False) -> SelectionCSR:
+def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, local: int = 0) -> SelectionCSR:
     """Groups the valid entries of ``block_indices`` [T, HK, S] by (chunk, KV head, block);
     with ``local`` > 0 the entries of a query's last ``local`` blocks are left out (:func:`valid_entries`).
-    With ``near`` (and no ``local``) each key's entries of near blocks (:func:`near_entries`) come
-    after its others, which end at ``fwd_end``.
 
     A stable sort of one int32 key per entry (invalid entries sort last), then offsets by
     ``searchsorted``: no host sync, no O(T^2 / block_size) map.
     """
-    if near and local:
-        raise ValueError("build_selection_csr: near and local exclude each other")
     T, HK, S = block_indices.shape
     device = block_indices.device
     NB = meta.num_blocks
     num_chunks = (T + chunk_size - 1) // chunk_size
     num_keys = _num_keys(T, HK, NB, chunk_size)
-    sort_keys = num_keys * (2 if near else 1)  # also the invalid entries' key
-    if sort_keys >= 2 ** 31 or T * HK * S >= 2 ** 31:
+    if num_keys >= 2 ** 31 or T * HK * S >= 2 ** 31:
         raise ValueError(f"T * HK * S = {T * HK * S} entries is too large for int32 indices (must be < 2^31)")
     # keys and the invalid mark fit 16 bits: a radix sort of int16 keys takes half the passes
     # (8.4M entries at 64K: 0.25 against 0.41 ms on the H200, selected_variants5_h200.log)
-    short = sort_keys < SHORT_KEYS_BELOW
-    key = entry_keys(block_indices, meta, chunk_size, local, short, near)
-    bounds = torch.arange(sort_keys + 1, device=device, dtype=torch.int32)
+    short = num_keys < SHORT_KEYS_BELOW
+    key = entry_keys(block_indices, meta, chunk_size, local, short)
+    bounds = torch.arange(num_keys + 1, device=device, dtype=torch.int32)
     if short:
         bounds = (bounds - (1 << 15)).to(torch.int16)
     sorted_key, order = torch.sort(key, stable=True)
-    offsets = torch.searchsorted(sorted_key, bounds, out_int32=True)
-    key_offsets, fwd_end = (offsets[0::2].contiguous(), offsets[1::2].contiguous()) if near else (offsets, None)
+    key_offsets = torch.searchsorted(sorted_key, bounds, out_int32=True)
     return SelectionCSR(meta=meta, HK=HK, S=S, chunk_size=chunk_size, num_chunks=num_chunks,
-                        entry_ids=order.to(torch.int32), key_offsets=key_offsets, local=local, fwd_end=fwd_end)
+                        entry_ids=order.to(torch.int32), key_offsets=key_offsets, local=local)
 
 
 def tile_bound(entries: int, G: int, R: int, keys: int) -> int:
@@ -244,23 +215,16 @@ def tile_bound(entries: int, G: int, R: int, keys: int) -> int:
     return (entries * G + R - 1) // R + min(entries, keys)
 
 
-def key_ends(csr: SelectionCSR, forward: bool = False) -> torch.Tensor:
-    """int32 [num_keys]: one past each key's last entry; with ``forward``, one past the last the
-    forward computes (``fwd_end``, when the CSR was built with ``near``)."""
-    return csr.fwd_end if forward and csr.fwd_end is not None else csr.key_offsets[1:]
-
-
-def _key_tile_starts(csr: SelectionCSR, G: int, BM: int, forward: bool = False) -> torch.Tensor:
+def _key_tile_starts(csr: SelectionCSR, G: int, BM: int) -> torch.Tensor:
     """int64 [num_keys + 1]: first tile of BM rows (G per entry) of each key, then the total."""
-    counts = (key_ends(csr, forward) - csr.key_offsets[:-1]).to(torch.int64)  # [num_keys]
+    counts = (csr.key_offsets[1:] - csr.key_offsets[:-1]).to(torch.int64)  # [num_keys]
     ntiles = (counts * G + BM - 1) // BM
     incl = ntiles.cumsum(0)
     return torch.cat([incl - ntiles, incl[-1:]])
 
 
-def tile_schedule(csr: SelectionCSR, G: int, BM: int, forward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row tiles of BM (entry, head-in-group) rows: row r of a key is entry r // G, head r % G;
-    with ``forward``, of the entries the forward computes (:func:`key_ends`).
+def tile_schedule(csr: SelectionCSR, G: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row tiles of BM (entry, head-in-group) rows: row r of a key is entry r // G, head r % G.
 
     Returns:
         tile_key: int32 [bound]: the key of each tile (entries past the last tile are junk).
@@ -268,7 +232,7 @@ def tile_schedule(csr: SelectionCSR, G: int, BM: int, forward: bool = False) -> 
             Keys are numbered (chunk, KV head, block), so the tiles of any run of consecutive
             keys, such as one chunk's keys of one KV head, are ``[tile_first[lo], tile_first[hi])``.
     """
-    first = _key_tile_starts(csr, G, BM, forward)
+    first = _key_tile_starts(csr, G, BM)
     incl = first[1:]
     E = csr.meta.T * csr.HK * csr.S
     bound = tile_bound(E, G, BM, csr.num_chunks * csr.keys_per_chunk)
@@ -277,11 +241,10 @@ def tile_schedule(csr: SelectionCSR, G: int, BM: int, forward: bool = False) -> 
     return tile_key, first.to(torch.int32)
 
 
-def padded_key_rows(csr: SelectionCSR, G: int, BM: int, forward: bool = False) -> torch.Tensor:
-    """int64 [num_keys + 1]: first row of each key when every key's rows (G per entry; with
-    ``forward``, of the entries the forward computes) are padded to a multiple of BM, then the
-    total; a partition's rows start at its first key's value."""
-    return _key_tile_starts(csr, G, BM, forward) * BM
+def padded_key_rows(csr: SelectionCSR, G: int, BM: int) -> torch.Tensor:
+    """int64 [num_keys + 1]: first row of each key when every key's rows (G per entry) are padded
+    to a multiple of BM, then the total; a partition's rows start at its first key's value."""
+    return _key_tile_starts(csr, G, BM) * BM
 
 
 def multi_segment_slots(csr: SelectionCSR, G: int, R: int) -> torch.Tensor:

@@ -101,7 +101,7 @@ def cases():
     for G in (4, 5):
         HQ = 8 * G
         _, HKG = fmsa.default_partition(65536, HQ, 8, 16, 128, 2)
-        for tma in (False, True):  # partials by TMA bulk copies in tile order (FWD_TMA), or row stores
+        for tma in (False, True):  # partials by TMA bulk copies in key order (FWD_TMA), or row stores
             po = f"tensordesc<bf16[{fmsa.FWD_BM}, 128]>" if tma else B
             sig = dict(q=B, k=B, v=B, po=po, plse=F, pidx=I, key_rows="*i64", entry_ids=I, key_offsets=I, tile_key=I, tile_first=I,
                        block_start=I, block_end=I, k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32")

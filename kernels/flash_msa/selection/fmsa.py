@@ -129,6 +129,17 @@ def _fwd_rows(q, po, plse, pidx, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_
 
 
 @triton.jit
+def _slot_rows(pidx, o_row, i_s, o_g, m_v, G: tl.constexpr, BG: tl.constexpr, TMA: tl.constexpr):
+    # [BG] rows of the G heads of a (token, KV head)'s slot i_s in a partial buffer (forward partials,
+    # dq parts): in entry order, or with TMA in key order through the per-entry row index pidx
+    if TMA:
+        o_p = tl.load(pidx + (o_row + i_s) + tl.zeros([BG], dtype=tl.int64), mask=m_v, other=0) + o_g
+    else:
+        o_p = (o_row + i_s) * G + o_g
+    return o_p
+
+
+@triton.jit
 def fmsa_fwd_kernel(
     q, k, v, po, plse, pidx, key_rows, entry_ids, key_offsets, tile_key, tile_first,
     block_start, block_end, k_lo, c0, hk0, NB, scale2,
@@ -206,8 +217,7 @@ def fmsa_merge_kernel(
         m_v = (b_iv >= 0) & (b_iv <= own - LOCAL) & m_g
         o_p = (o_row + i_s) * G + o_g  # [BG]
         b_w = tl.exp2(tl.load(plse + o_p, mask=m_v, other=float("-inf")) - b_m)
-        if TMA:
-            o_p = tl.load(pidx + (o_row + i_s) + tl.zeros([BG], dtype=tl.int64), mask=m_v, other=0) + o_g
+        o_p = _slot_rows(pidx, o_row, i_s, o_g, m_v, G, BG, TMA)
         b_o = tl.load(po + o_p.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
         b_acc += b_o * b_w[:, None]
     b_l = tl.where(b_ok, b_l, 1.)
@@ -368,10 +378,7 @@ def fmsa_bwd_dq_kernel(
     for i_s in tl.static_range(S):  # slot order: deterministic; loads independent of each other
         b_iv = tl.load(block_indices + (i_t * HK + i_hk) * S + i_s + tl.zeros([BG], dtype=tl.int64))  # [BG], one value
         m_v = (b_iv >= 0) & (b_iv <= own - LOCAL) & m_g
-        if TMA:  # dq parts in key order: each entry's first row from pidx
-            o_p = tl.load(pidx + (o_row + i_s) + tl.zeros([BG], dtype=tl.int64), mask=m_v, other=0) + o_g
-        else:
-            o_p = (o_row + i_s) * G + o_g
+        o_p = _slot_rows(pidx, o_row, i_s, o_g, m_v, G, BG, TMA)
         b_dq += tl.load(dqp + o_p.to(tl.int64)[:, None] * D + o_d[None, :], mask=m_v[:, None], other=0.).to(tl.float32)
     o_h = i_t * HQ + i_hk * G + o_g
     if ACC:

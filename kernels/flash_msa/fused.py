@@ -19,7 +19,7 @@ but the three branch output gradients and their sums are never materialised, so 
 of a forward + backward is lower. Compression (phi) stays its own autograd Function: this one
 returns the gradients of the compressed keys and values.
 
-The local blocks in the window kernel (``LOCAL_IN_WINDOW``, with fmsa): top-k always selects a
+The local blocks in the window kernel (``local_in_window`` in ``SETTINGS``, with fmsa): top-k always selects a
 query's own block and the one before (for n >= 3), and with a window of at least two blocks these
 keys ``[mid, t]`` are the last keys of the query's window, whose scores the window kernel computes
 anyway. So the window kernel takes them first, writes their softmax (the partial output and lse of
@@ -31,25 +31,26 @@ handles 2 of its 16 entries fewer per query, with their partial round trip and c
 """
 from __future__ import annotations
 
-import os
+from types import MappingProxyType
 from typing import Optional
 
 import torch
 
+from flash_msa import tuning
 from flash_msa.compression.compressed_attention import compressed_ranges
 from flash_msa.compression.dense_cmp import dense_cmp_backward, dense_cmp_forward, dense_layout
 from flash_msa.compression.topk import select_blocks
 from flash_msa.gates import gate_backward_branches, gate_combine_fwd
 from flash_msa.selection import fmsa as _fmsa
-from flash_msa.selection import nsa as _nsa
-from flash_msa.selection.interface import IMPLS, choose_impl
+from flash_msa.selection.interface import IMPLS
 from flash_msa.utils.cache import per_batch
 from flash_msa.window.window import local_ranges, range_attention_bwd, range_attention_fwd, window_ranges
 
-_SELECTED = {"fmsa": (_fmsa.fmsa_forward, _fmsa.fmsa_backward), "nsa": (_nsa.nsa_forward, _nsa.nsa_backward)}
-# The local blocks of selected attention in the window kernel (module docstring); "0" in
-# FLASH_MSA_LOCAL_IN_WINDOW turns it off (scripts/bench_nsa.py --compare-local times both).
-LOCAL_IN_WINDOW = os.environ.get("FLASH_MSA_LOCAL_IN_WINDOW", "1") != "0"
+# Settings of op "fused" (flash_msa.tuning). local_in_window: selected attention's local blocks in
+# the window kernel (module docstring); scripts/bench_nsa.py --compare-local times it off, through
+# flash_msa.tuning.override(fused=dict(local_in_window=False)).
+SETTINGS = MappingProxyType(dict(local_in_window=True))
+tuning.register("fused", SETTINGS)
 LOCAL_BLOCKS = 2  # the own block and the one before: what select_blocks forces besides block 0
 
 
@@ -57,16 +58,15 @@ def local_in_window(impl: str, slc_block: int, slc_topk: int, window: int) -> bo
     """Whether the window kernel computes selected attention's local blocks: fmsa, top-k keeps
     both forced local blocks (n >= 3: block 0, own - 1 and own are forced), and the window holds
     them (w >= 2 l')."""
-    return LOCAL_IN_WINDOW and impl == "fmsa" and slc_topk >= 3 and window >= LOCAL_BLOCKS * slc_block
+    return (tuning.settings("fused", SETTINGS)["local_in_window"] and impl == "fmsa" and slc_topk >= 3
+            and window >= LOCAL_BLOCKS * slc_block)
 
 
 def fused_impl(q: torch.Tensor, k: torch.Tensor, slc_block: int, slc_topk: int, impl: str) -> Optional[str]:
-    """The selected-attention loop order the fused op runs for ``impl`` ("fmsa" or "nsa"), or None
-    when the composed path must run: the reference selected attention, or a shape the Triton
-    kernels do not take (the composed path then raises the kernels' error for an explicit impl)."""
-    if impl == "auto":
-        impl = choose_impl(q, k, slc_topk, slc_block)
-    if impl not in _SELECTED or impl not in IMPLS:
+    """``impl`` (resolved: flash_msa.selection.interface.resolve_impl) when the fused op runs it: a
+    Triton loop order whose kernels take the shape; else None, and the composed path runs."""
+    entry = IMPLS.get(impl)
+    if entry is None or entry.forward is None:
         return None
     return impl if _fmsa.kernel_limits_error(q, slc_topk) is None else None
 
@@ -75,6 +75,7 @@ class NSAAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, sizes, scale, impl, dense):
+        selected = IMPLS[impl]
         cmp_block, cmp_stride, slc_block, slc_topk, window = sizes
         q, k, v, k_cmp, v_cmp, gates = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates))
         T = q.shape[0]
@@ -95,7 +96,7 @@ class NSAAttentionFunction(torch.autograd.Function):
             o_slc, lse_slc, state = _fmsa.fmsa_forward(q, k, v, idx, slc_block, cu, scale, local=LOCAL_BLOCKS,
                                                        o=o_slc, lse=lse_slc)
         else:
-            o_slc, lse_slc, state = _SELECTED[impl][0](q, k, v, idx, slc_block, cu, scale)
+            o_slc, lse_slc, state = selected.forward(q, k, v, idx, slc_block, cu, scale)
             o_swa, lse_swa = range_attention_fwd(q, k, v, wr[0], wr[1], scale, "window")
         o = gate_combine_fwd(o_cmp, o_slc, o_swa, gates, q.dtype)
         ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa, idx)
@@ -119,17 +120,18 @@ class NSAAttentionFunction(torch.autograd.Function):
         local = None if ctx.lr is None else (*ctx.lr, lse[1], delta[1])  # the local blocks' selected softmax
         dq, dk, dv = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
                                          delta=delta[2], dq=dq, local=local)
-        dq, dk, dv = _SELECTED[ctx.impl][1](q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq, dkv=(dk, dv))
+        dq, dk, dv = IMPLS[ctx.impl].backward(q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq, dkv=(dk, dv))
         return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None, None
 
 
 def nsa_attention_fused(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, cmp_block: int, cmp_stride: int, slc_block: int,
                         slc_topk: int, window: int, scale: float, impl: str,
-                        uniform: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                        uniform: Optional[tuple[int, int]] = None, deterministic: bool = False) -> torch.Tensor:
     """The gated sum of the three branches on one packed stream ([T, H, D]; k_cmp / v_cmp packed
     compressed rows, cu_cmp their offsets), ``impl`` from :func:`fused_impl`. ``uniform`` = (B, L)
     when the stream holds B sequences of L tokens each (then compressed attention may run on
-    cuDNN: compression/dense_cmp.py). Differentiable in q, k, v, k_cmp, v_cmp and gates."""
-    dense = dense_layout(q, uniform, cmp_block, cmp_stride)
+    cuDNN: compression/dense_cmp.py, unless ``deterministic``). Differentiable in q, k, v, k_cmp,
+    v_cmp and gates."""
+    dense = dense_layout(q, uniform, cmp_block, cmp_stride, deterministic)
     return NSAAttentionFunction.apply(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp,
                                       (cmp_block, cmp_stride, slc_block, slc_topk, window), scale, impl, dense)

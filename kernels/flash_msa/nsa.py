@@ -18,27 +18,11 @@ import torch.nn.functional as F
 
 from flash_msa import reference
 from flash_msa.compression.interface import TRITON_BRANCHES
-from flash_msa.selection.interface import ALL_IMPLS, SELECTED_BLOCK_SIZES, run_selected
-from flash_msa.utils.validation import (
-    check_block_size, check_cu_seqlens, check_gates_range, check_positive_int, check_qkv, check_scale, check_tensor)
+from flash_msa.decode import nsa_decode
+from flash_msa.selection.interface import ALL_IMPLS, resolve_impl, run_selected
+from flash_msa.utils.validation import (  # noqa: F401 (check_nsa_sizes: re-exported for msa_train's config)
+    check_cu_seqlens, check_gates_range, check_nsa_sizes, check_positive_int, check_qkv, check_scale, check_tensor)
 from flash_msa.utils.varlen import flatten_batch
-
-CMP_BLOCK_SIZES = (8, 16, 32, 64)
-CMP_STRIDES = (4, 8, 16, 32, 64)
-MAX_TOPK = 32
-
-
-def check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window) -> None:
-    check_block_size("cmp_block", cmp_block, CMP_BLOCK_SIZES)
-    check_block_size("cmp_stride", cmp_stride, CMP_STRIDES)
-    if cmp_block % cmp_stride != 0:
-        raise ValueError(f"cmp_block ({cmp_block}) must be a multiple of cmp_stride ({cmp_stride})")
-    check_block_size("slc_block", slc_block, SELECTED_BLOCK_SIZES)
-    if slc_block % cmp_stride != 0:
-        raise ValueError(f"slc_block ({slc_block}) must be a multiple of cmp_stride ({cmp_stride})")
-    if not isinstance(slc_topk, int) or isinstance(slc_topk, bool) or not 1 <= slc_topk <= MAX_TOPK:
-        raise ValueError(f"slc_topk must be an int in [1, {MAX_TOPK}], got {slc_topk!r}")
-    check_positive_int("window", window)
 
 
 def _check_compression(name: str, weight, pos, proj, HK: int, D: int, block: int, device) -> None:
@@ -73,9 +57,11 @@ BRANCHES = {
 
 
 def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
-             cmp_block, cmp_stride, slc_block, slc_topk, window, scale, selected_impl, uniform=None):
+             cmp_block, cmp_stride, slc_block, slc_topk, window, scale, selected_impl, uniform=None,
+             deterministic=False):
     """The NSA data flow on one packed stream [T, H, D]; k_cmp / v_cmp are (weight, pos, proj);
-    ``uniform`` = (B, L) when the stream holds B sequences of L tokens each, else None."""
+    ``selected_impl`` resolved (resolve_impl); ``uniform`` = (B, L) when the stream holds B
+    sequences of L tokens each, else None."""
     (kw, kp, kj), (vw, vp, vj) = k_cmp, v_cmp
     k_cmp, cu_cmp = branches.compress(k, kw, kp, cu, cmp_block, cmp_stride, proj=kj)
     v_cmp, _ = branches.compress(v, vw, vp, cu, cmp_block, cmp_stride, proj=vj)
@@ -84,7 +70,7 @@ def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
         impl = fused.impl(q, k, slc_block, slc_topk, selected_impl)
         if impl is not None:
             return fused.attention(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, cmp_block, cmp_stride, slc_block,
-                                   slc_topk, window, scale, impl, uniform)
+                                   slc_topk, window, scale, impl, uniform, deterministic)
     o_cmp, lse = branches.compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, cmp_block, cmp_stride, scale)
     idx = branches.select_blocks(q.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp,
                                  cmp_block, cmp_stride, slc_block, slc_topk, scale)  # [T, HK, n]
@@ -106,6 +92,7 @@ def nsa_attention(
     cmp_block: int = 32, cmp_stride: int = 16, slc_block: int = 64, slc_topk: int = 16, window: int = 512,
     cu_seqlens: Optional[torch.Tensor] = None, scale: Optional[float] = None, impl: str = "auto",
     k_cmp_proj: Optional[torch.Tensor] = None, v_cmp_proj: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Native Sparse Attention forward (differentiable in q, k, v, gates and the compression parameters).
 
@@ -123,9 +110,14 @@ def nsa_attention(
             including block 0 and the two local blocks, which are always selected).
         window: sliding window w (512).
         cu_seqlens: optional int32 [N+1] offsets of packed sequences (then B == 1).
-        scale: softmax scale, default 1/sqrt(D).
-        impl: "reference" runs every branch in plain PyTorch; "auto", "fmsa" or "nsa" run the
-            Triton kernels (when present) with that selected-attention loop order.
+        scale: softmax scale, finite and positive; default 1/sqrt(D).
+        impl: "reference" runs every branch in plain PyTorch; "fmsa" (KV-block-centric) or "qc"
+            (query-centric) run the Triton kernels with that selected-attention loop order (on a
+            CPU tensor only under TRITON_INTERPRET=1, else ValueError); "auto" runs "fmsa" on CUDA
+            where the kernels take the shape, else the reference (selection.interface.resolve_impl).
+        deterministic: keep compressed attention on the bitwise deterministic Triton kernels
+            instead of cuDNN (whose dq accumulation order varies), also when
+            ``torch.are_deterministic_algorithms_enabled()`` is False.
 
     Returns:
         o: [B, T, HQ, D] in the dtype of q.
@@ -142,17 +134,15 @@ def nsa_attention(
     _check_compression("k_cmp", k_cmp_weight, k_cmp_pos, k_cmp_proj, HK, D, cmp_block, q.device)
     _check_compression("v_cmp", v_cmp_weight, v_cmp_pos, v_cmp_proj, HK, D, cmp_block, q.device)
     scale = check_scale(scale, D)
-    if impl not in ALL_IMPLS:
-        raise ValueError(f"impl must be one of {ALL_IMPLS}, got {impl!r}")
-    on_gpu = impl != "reference" and q.device.type == "cuda"
-    branches = BRANCHES["triton" if on_gpu and "triton" in BRANCHES else "reference"]
+    impl = resolve_impl(impl, q, k, slc_topk, slc_block)
+    branches = BRANCHES["reference" if impl == "reference" else "triton"]
     qf, cu = flatten_batch(q, cu_seqlens)
     # B sequences of T tokens, or one: known on the host (no look at cu_seqlens' values)
     uniform = (B, T) if cu_seqlens is None or cu_seqlens.numel() == 2 else None
     o = _compose(branches, qf, k.reshape(B * T, HK, D), v.reshape(B * T, HK, D), gates.reshape(B * T, HQ, 3),
                  (k_cmp_weight, k_cmp_pos, k_cmp_proj), (v_cmp_weight, v_cmp_pos, v_cmp_proj), cu,
-                 cmp_block, cmp_stride, slc_block, slc_topk, window, scale, impl if on_gpu else "reference",
-                 uniform)
+                 cmp_block, cmp_stride, slc_block, slc_topk, window, scale, impl, uniform=uniform,
+                 deterministic=deterministic)
     return o.view(B, T, HQ, D)
 
 
@@ -196,7 +186,7 @@ class NativeSparseAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  cmp_block: int = 32, cmp_stride: int = 16, slc_block: int = 64, slc_topk: int = 16,
-                 window: int = 512, impl: str = "auto", device=None, dtype=None):
+                 window: int = 512, impl: str = "auto", deterministic: bool = False, device=None, dtype=None):
         super().__init__()
         check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window)
         for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
@@ -210,6 +200,7 @@ class NativeSparseAttention(nn.Module):
         self.sizes = dict(cmp_block=cmp_block, cmp_stride=cmp_stride, slc_block=slc_block,
                           slc_topk=slc_topk, window=window)
         self.impl = impl
+        self.deterministic = deterministic  # nsa_attention's deterministic: no cuDNN compressed attention
         self.compress_k = Compression(num_kv_heads, head_dim, cmp_block, device, dtype)
         self.compress_v = Compression(num_kv_heads, head_dim, cmp_block, device, dtype)
         self.gate = nn.Linear(hidden_size, 3 * num_heads, bias=True, device=device, dtype=dtype)
@@ -248,7 +239,7 @@ class NativeSparseAttention(nn.Module):
             params = [p[sp.rank * n:(sp.rank + 1) * n] for p in params]  # this rank's KV heads
         kw, kp, vw, vp, kj, vj = params
         o = nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu_seqlens, scale=scale, impl=self.impl,
-                          k_cmp_proj=kj, v_cmp_proj=vj, **self.sizes)
+                          k_cmp_proj=kj, v_cmp_proj=vj, deterministic=self.deterministic, **self.sizes)
         if sp is not None and sp.size > 1:
             o = sp.to_sequence(o, seq_dim=1, head_dim=2)
         return o
@@ -256,9 +247,10 @@ class NativeSparseAttention(nn.Module):
     def _gates(self, hidden_states: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Per-head branch gates [B, T, HQ, 3] (fp32, sigmoid applied) from hidden_states [B, T, hidden]."""
         check_tensor("hidden_states", hidden_states, ndim=3, layout="[B, T, hidden]")
-        if tuple(hidden_states.shape[:2]) != tuple(q.shape[:2]):
-            raise ValueError(f"hidden_states must have shape [B, T, hidden] with B, T of q {tuple(q.shape[:2])}, "
-                             f"got {tuple(hidden_states.shape)}")
+        hidden = self.gate.in_features
+        if tuple(hidden_states.shape[:2]) != tuple(q.shape[:2]) or hidden_states.shape[2] != hidden:
+            raise ValueError(f"hidden_states must have shape [B, T, hidden={hidden}] with B, T of q "
+                             f"{tuple(q.shape[:2])}, got {tuple(hidden_states.shape)}")
         B, T = q.shape[:2]
         logits = F.linear(hidden_states, self.gate.weight, self.gate.bias)  # [B, T, 3*HQ]
         return torch.sigmoid(logits.float()).view(B, T, 3, self.num_heads).transpose(-1, -2)  # [B, T, HQ, 3]
@@ -270,8 +262,6 @@ class NativeSparseAttention(nn.Module):
         :meth:`forward` on the whole sequences gives those positions. ``cache`` (a
         :class:`flash_msa.decode.DecodeCache`) keeps the compressed keys and values between steps;
         ``impl`` picks the Triton kernel or PyTorch (flash_msa/decode/)."""
-        from flash_msa.decode import nsa_decode
-
         k_cmp = (self.compress_k.weight, self.compress_k.pos, self.compress_k.proj)
         v_cmp = (self.compress_v.weight, self.compress_v.pos, self.compress_v.proj)
         return nsa_decode(q, k, v, self._gates(hidden_states, q), k_cmp, v_cmp, scale=scale, cache=cache, impl=impl,

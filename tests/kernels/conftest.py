@@ -1,5 +1,7 @@
 """Kernel tests: every torch.empty / empty_like of a floating dtype is filled with NaN, so an
 output element a kernel forgets to write shows up as NaN (assert_close fails on NaN)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -30,8 +32,24 @@ def _poison_empty(monkeypatch):
 
 
 @pytest.fixture
-def small_range_tiles(monkeypatch):
+def small_range_tiles():
     """16x16 range-attention tiles, so short inputs run all three loop parts (masked edges,
     unmasked interior) of the window and compressed-attention kernels."""
-    from flash_msa.window import window
-    monkeypatch.setattr(window, "TILE_OVERRIDE", dict(fwd=(16, 16, {}), dq=(16, 16, {}), dkdv=(16, 16, {})))
+    from flash_msa import tuning
+    with tuning.override(range_attention=dict(fwd=(16, 16, {}), dq=(16, 16, {}), dkdv=(16, 16, {}))):
+        yield
+
+
+@pytest.fixture
+def launch():
+    """``launch(op, **settings)``: the rest of the test runs with these launch settings of ``op``
+    (flash_msa.tuning.override); calls add up, a later value of a setting winning."""
+    from flash_msa import tuning
+    stack, acc = contextlib.ExitStack(), {}
+
+    def set_(op, **settings):
+        acc.setdefault(op, {}).update(settings)
+        stack.close()
+        stack.enter_context(tuning.override(**acc))
+    yield set_
+    stack.close()

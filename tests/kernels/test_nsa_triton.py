@@ -7,7 +7,7 @@ composed path); on CUDA the public nsa_attention runs them with impl="auto" (fms
 import pytest
 import torch
 
-from flash_msa import nsa_attention, reference
+from flash_msa import nsa_attention, reference, tuning
 from flash_msa.nsa import BRANCHES, _compose
 from tests.helpers import assert_close
 
@@ -57,13 +57,11 @@ def test_nsa_triton_local_blocks_in_window(case, device, monkeypatch, small_rang
     window tiles so every loop part runs, gates of 0 and 1, and a tiny partial budget (several
     fmsa partitions, each merging into the window's partial)."""
     from flash_msa import fused
-    from flash_msa.selection import fmsa
-    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 40 << 10)
-    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
     calls = []
     real = fused.local_ranges
     monkeypatch.setattr(fused, "local_ranges", lambda *a: calls.append(a[1:]) or real(*a))
-    _check_against_reference(case, device, gate_values=(0.0, 1.0))
+    with tuning.override(fmsa=dict(partial_budget=40 << 10, partial_budget_per_token=0)):
+        _check_against_reference(case, device, gate_values=(0.0, 1.0))
     sizes = CASES[case][4]
     assert calls == [(CASES[case][0][-1], sizes["slc_block"])]
 
@@ -84,13 +82,12 @@ def test_nsa_triton_fmsa_partitions(device, monkeypatch):
     """fmsa in several partitions (3 chunks x 2 KV heads, from a tiny partial budget) inside the
     single autograd Function: each partition's dq kernel adds to the dq of the other branches."""
     from flash_msa.selection import fmsa
-    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 40 << 10)
-    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
     cu_list, HQ, HK, D, sizes = CASES["varlen-G5"]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    chunk, heads = fmsa.default_partition(cu_list[-1], HQ, HK, sizes["slc_topk"], D, dtype.itemsize)
-    assert heads == 1 and -(-cu_list[-1] // chunk) >= 3
-    _check_against_reference("varlen-G5", device)
+    with tuning.override(fmsa=dict(partial_budget=40 << 10, partial_budget_per_token=0)):
+        chunk, heads = fmsa.default_partition(cu_list[-1], HQ, HK, sizes["slc_topk"], D, dtype.itemsize)
+        assert heads == 1 and -(-cu_list[-1] // chunk) >= 3
+        _check_against_reference("varlen-G5", device)
 
 
 @ZERO_GATE_WARNINGS
@@ -100,14 +97,15 @@ def test_nsa_triton_dense_compressed_attention(device, monkeypatch):
     with gates of 0 and 1."""
     from flash_msa import fused
     from flash_msa.compression import dense_cmp
-    monkeypatch.setattr(dense_cmp, "BACKEND", "cudnn" if device == "cuda" else "math")
     calls = []
     monkeypatch.setattr(fused, "dense_cmp_forward", lambda *a: calls.append(a[3]) or dense_cmp.dense_cmp_forward(*a))
     case = "batch2-G4-D64"
     if device == "cuda" and not dense_cmp.cudnn_supported(torch.empty(1, 1, 64, device=device, dtype=torch.bfloat16)):
         pytest.skip("needs cuDNN fused attention (CUDA, sm90)")
-    _check_against_reference(case, device, gate_values=(0.0, 1.0), batch=2)
-    assert calls == [(2, CASES[case][0][-1] // 2)]
+    kernel = "cudnn" if device == "cuda" else "math"
+    with tuning.override(dense_cmp=dict(backend=kernel)):
+        _check_against_reference(case, device, gate_values=(0.0, 1.0), batch=2)
+    assert calls == [(2, CASES[case][0][-1] // 2, kernel)]
 
 
 def _check_against_reference(case, device, gate_values=(), batch=None):
@@ -131,10 +129,10 @@ def _check_against_reference(case, device, gate_values=(), batch=None):
                           scale=scale, k_cmp_proj=kj, v_cmp_proj=vj, **sizes).view(1, T, HQ, D)
     elif device == "cuda":  # "auto" runs fmsa; one case runs the query-centric order
         o = nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu, scale=scale,
-                          impl="nsa" if case == "G16-D128" else "auto", k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
+                          impl="qc" if case == "G16-D128" else "auto", k_cmp_proj=kj, v_cmp_proj=vj, **sizes)
     else:
         # every Triton branch, with each selected-attention loop order in one case (interpreter)
-        selected = {"varlen-G5": "fmsa", "G16-D128": "nsa", "batch2-G4-D64": "fmsa", "local-G5": "fmsa",
+        selected = {"varlen-G5": "fmsa", "G16-D128": "qc", "batch2-G4-D64": "fmsa", "local-G5": "fmsa",
                     "local-G3-D64": "fmsa", "shorter-than-stride": "fmsa",
                     "cmp-longer-than-slc": "fmsa"}.get(case, "reference")
         o = _compose(BRANCHES["triton"], q[0], k[0], v[0], gates[0], (kw, kp, kj), (vw, vp, vj), cu,

@@ -13,10 +13,22 @@ def qkv(**over):
     return t
 
 
-def idx(S=2, **over):
+def idx(S=2, at=None, t=20):
+    """Block 0 for every query; with ``at``, entry 1 of query t, KV head 1 set to it."""
     bi = torch.full((1, T, HK, S), -1, dtype=torch.int32)
     bi[..., 0] = 0
+    if at is not None:
+        bi[0, t, 1, 1] = at
     return bi
+
+
+def test_in_range_entries_accepted():
+    """Entries up to the last block of the query's own sequence pass, past the query's own block
+    too (they are ignored)."""
+    t = qkv()
+    bi = idx(at=1, t=12)  # sequence [10, 32): blocks 0 and 1; token 12 is in block 0
+    o = flash_msa.selected_attention(t["q"], t["k"], t["v"], bi, block_size=16, cu_seqlens=CU, impl="reference")
+    assert torch.isfinite(o).all()
 
 
 CU = torch.tensor([0, 10, T], dtype=torch.int32)
@@ -43,7 +55,17 @@ SELECTED_CASES = {
     "idx_shape": ({}, dict(block_indices=torch.zeros(1, T, HQ, 2, dtype=torch.int32)), ValueError, "block_indices must have shape"),
     "block_size": ({}, dict(block_size=48), ValueError, "block_size must be one of"),
     "impl": ({}, dict(impl="triton"), ValueError, "impl must be one of"),
-    "scale": ({}, dict(scale=-1.0), ValueError, "scale must be a positive"),
+    "scale": ({}, dict(scale=-1.0), ValueError, "scale must be a finite positive"),
+    "scale_inf": ({}, dict(scale=float("inf")), ValueError, "scale must be a finite positive"),
+    "scale_nan": ({}, dict(scale=float("nan")), ValueError, "scale must be a finite positive"),
+    "idx_100": ({}, dict(block_indices=idx(at=100)), ValueError, r"block_indices must lie in \[-1, n_blocks\).*= 100"),
+    "idx_minus_5": ({}, dict(block_indices=idx(at=-5)), ValueError, r"block_indices must lie in \[-1, n_blocks\).*= -5"),
+    "idx_2_30": ({}, dict(block_indices=idx(at=2 ** 30)), ValueError, r"block_indices must lie in \[-1, n_blocks\)"),
+    # T = 32 tokens in blocks of 16: blocks 0 and 1 exist, 2 does not
+    "idx_past_stream": ({}, dict(block_indices=idx(at=2)), ValueError, r"block_indices\[0, 20, 1, 1\] = 2, n_blocks = 2"),
+    # the sequence [10, 32) has 22 tokens: blocks 0 and 1; the sequence [0, 10) only block 0
+    "idx_past_sequence": ({}, dict(block_indices=idx(at=1, t=5), cu_seqlens=CU), ValueError,
+                          r"block_indices\[0, 5, 1, 1\] = 1, n_blocks = 1"),
 }
 
 
@@ -81,7 +103,7 @@ def test_unavailable_impl_names_the_available_ones(monkeypatch):
         flash_msa.selected_attention(t["q"], t["k"], t["v"], idx(), block_size=16, impl="fmsa")
 
 
-def nsa_args(**over):
+def nsa_args(D=D, **over):
     block = over.pop("block", 16)
     a = dict(**qkv(), gates=torch.rand(1, T, HQ, 3),
              k_cmp_weight=torch.randn(HK, block * D, D), k_cmp_pos=torch.randn(HK, block, D),
@@ -105,6 +127,8 @@ NSA_CASES = {
     "slc_block": ({}, dict(slc_block=40), "slc_block must be one of"),
     "topk": ({}, dict(slc_topk=0), "slc_topk must be an int"),
     "window": ({}, dict(window=0), "window must be a positive int"),
+    "scale_inf": ({}, dict(scale=float("inf")), "scale must be a finite positive"),
+    "scale_zero": ({}, dict(scale=0.0), "scale must be a finite positive"),
 }
 
 
@@ -127,14 +151,45 @@ def test_module_errors():
     t = qkv()
     with pytest.raises(ValueError, match="hidden_states must have shape"):
         m(torch.randn(1, T + 1, 16), t["q"], t["k"], t["v"])
+    with pytest.raises(ValueError, match=r"hidden_states must have shape \[B, T, hidden=16\].*got \(1, 32, 24\)"):
+        m(torch.randn(1, T, 24), t["q"], t["k"], t["v"])
 
 
-@pytest.mark.parametrize("impl", ["fmsa", "nsa"])
+def test_decode_checks_hidden_size_and_scale():
+    m = flash_msa.NativeSparseAttention(16, HQ, HK, D, cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=2, window=8)
+    t = qkv()
+    q = t["q"][:, -1:]
+    with pytest.raises(ValueError, match=r"hidden_states must have shape \[B, T, hidden=16\]"):
+        m.decode(torch.randn(1, 1, 24), q, t["k"], t["v"])
+    with pytest.raises(ValueError, match="scale must be a finite positive"):
+        m.decode(torch.randn(1, 1, 16), q, t["k"], t["v"], scale=float("inf"))
+
+
+@pytest.mark.parametrize("impl", ["fmsa", "qc"])
 def test_kernels_on_cpu_without_the_interpreter_say_so(impl, monkeypatch):
+    """An explicit kernel on a CPU tensor raises in both public ops alike (selection.interface.
+    resolve_impl), never a silent run of the reference."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     t = qkv(q=torch.randn(1, T, HQ, 16), k=torch.randn(1, T, HK, 16), v=torch.randn(1, T, HK, 16))  # a kernel head dim
     with pytest.raises(ValueError, match="need CUDA tensors, q is on cpu.*impl='reference'"):
         flash_msa.selected_attention(t["q"], t["k"], t["v"], idx(), block_size=16, impl=impl)
+    a = nsa_args(q=t["q"], k=t["k"], v=t["v"], D=16)
+    with pytest.raises(ValueError, match="need CUDA tensors, q is on cpu.*impl='reference'"):
+        flash_msa.nsa_attention(**a, cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=2, window=8, impl=impl)
+
+
+def test_nsa_attention_runs_the_kernels_it_names_under_the_interpreter(monkeypatch):
+    """Under TRITON_INTERPRET=1 an explicit kernel runs the Triton branches on CPU (the single
+    Function of flash_msa/fused.py), "reference" and "auto" the PyTorch reference."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t = qkv(q=torch.randn(1, T, HQ, 16), k=torch.randn(1, T, HK, 16), v=torch.randn(1, T, HK, 16))
+    a = nsa_args(q=t["q"].requires_grad_(), k=t["k"], v=t["v"], D=16)
+    sizes = dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=2, window=8)
+    for impl, fused in (("fmsa", True), ("qc", True), ("reference", False), ("auto", False)):
+        fn = flash_msa.nsa_attention(**a, **sizes, impl=impl).grad_fn
+        while fn.name() in ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"):
+            fn = fn.next_functions[0][0]
+        assert ("NSAAttentionFunction" in fn.name()) == fused, impl
 
 
 def test_trusted_inputs_is_per_thread_and_never_on_cpu(monkeypatch):
@@ -142,7 +197,6 @@ def test_trusted_inputs_is_per_thread_and_never_on_cpu(monkeypatch):
 
     from flash_msa.utils.validation import _trusting
 
-    monkeypatch.delenv("FLASH_MSA_TRUST_INPUTS", raising=False)
     acc, cpu = torch.empty(2, device="meta"), torch.empty(2)  # "meta" stands for an accelerator
     assert not _trusting(acc)
     seen = []
@@ -152,8 +206,8 @@ def test_trusted_inputs_is_per_thread_and_never_on_cpu(monkeypatch):
         t.start()
         t.join()
     assert seen == [False] and not _trusting(acc)  # another thread kept its checks; restored after
-    monkeypatch.setenv("FLASH_MSA_TRUST_INPUTS", "1")  # read at every call
-    assert _trusting(acc) and not _trusting(cpu)
+    monkeypatch.setenv("FLASH_MSA_TRUST_INPUTS", "1")  # no environment switch: only the context trusts
+    assert not _trusting(acc)
     with pytest.raises(ValueError, match="must start at 0"):  # CPU values are always checked
         with flash_msa.trusted_inputs():
             t = qkv()

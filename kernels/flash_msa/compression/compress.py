@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_msa import tuning
 from flash_msa.utils.cache import per_batch
 from flash_msa.utils.varlen import compressed_rows
 
@@ -203,15 +204,15 @@ def compression_slots(cu_seqlens: torch.Tensor, T: int, block: int, stride: int)
     return cu_cmp, first_key, valid, slot_tok, slot_row.to(torch.int32)
 
 
-# dW / dproj: the reduction over compressed rows takes one split per DW_SPLIT_ROWS rows, at most
-# DW_MAX_SPLITS (partials of splits * H * l * D * D fp32: 64 MiB at 4 splits, 8 KV heads, l=32,
+# Launch settings of op "compress" (flash_msa.tuning), from _tiles: per kernel "fwd" | "prep" |
+# "dx" | "dw" a (rows per program, launch options) entry; "dw_split_rows" and "dw_max_splits":
+# dW / dproj's reduction over compressed rows takes one split per dw_split_rows rows, at most
+# dw_max_splits (partials of splits * H * l * D * D fp32: 64 MiB at 4 splits, 8 KV heads, l=32,
 # D=128; 128 MiB at 8). 8 rather than 4 since the pipelined dW kernel: one of k/v forward + backward
 # at 256K 2.31 against 2.40 ms (benchmarks/results/tune_h200_compress2.md); from 128K on.
-DW_SPLIT_ROWS, DW_MAX_SPLITS = 1024, 8
-
-# Launch tiles {"fwd" | "prep" | "dx" | "dw": (rows per program, launch options)}; entries replace the
-# defaults of _tiles (tests and scripts/tune_nsa.py set them).
-TILE_OVERRIDE: dict = {}
+# An override (flash_msa.tuning.override(compress=...)) replaces whole entries (tests and
+# scripts/tune_nsa.py use it).
+tuning.register("compress", ("fwd", "prep", "dx", "dw", "dw_split_rows", "dw_max_splits"))
 
 
 def _tiles(device) -> dict:
@@ -223,8 +224,7 @@ def _tiles(device) -> dict:
         # (benchmarks/results/tune_h200_compress.log)
         cfg = dict(fwd=(64, dict(num_warps=8, num_stages=3)), prep=(64, dict(num_warps=4, num_stages=1)),
                    dx=(32, dict(num_warps=4, num_stages=2)), dw=(64, dict(num_warps=8, num_stages=2)))
-    cfg.update(TILE_OVERRIDE)
-    return cfg
+    return tuning.settings("compress", dict(cfg, dw_split_rows=1024, dw_max_splits=8))
 
 
 class CompressFunction(torch.autograd.Function):
@@ -271,11 +271,11 @@ class CompressFunction(torch.autograd.Function):
         compress_bwd_dx_kernel[(triton.cdiv(Ns, BC), H)](
             dh, do, weight, dx, slot_tok, slot_row, Ns, T,
             H=H, D=D, BLOCK=block, STRIDE=stride, BC=BC, MLP=mlp, PREC=prec, **opts)
-        # the sums over rows are split into Tc // DW_SPLIT_ROWS chunks (1 to DW_MAX_SPLITS) of equal
+        # the sums over rows are split into Tc // dw_split_rows chunks (1 to dw_max_splits) of equal
         # size rounded up to BC rows, so that more programs than (l + 1) * H share the reduction;
         # the last chunk may be shorter, or empty (its partial is 0)
         BC, opts = cfg["dw"]
-        splits = max(1, min(DW_MAX_SPLITS, Tc // DW_SPLIT_ROWS))
+        splits = max(1, min(cfg["dw_max_splits"], Tc // cfg["dw_split_rows"]))
         rows = triton.cdiv(triton.cdiv(Tc, splits), BC) * BC
         dw = torch.empty(splits, H, block * D, D, device=x.device, dtype=torch.float32)
         dproj = torch.empty(splits, H, D, D, device=x.device, dtype=torch.float32) if mlp else dw

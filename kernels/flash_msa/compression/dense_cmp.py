@@ -25,40 +25,41 @@ The backward takes the single Function's form (flash_msa/fused.py): cuDNN comput
 form's ``r_cmp``) and ``lse' = lse - log g``, clamped to 1e30 where the gate is 0 (``exp(s - 1e30)``
 is 0, as is the +inf of the Triton kernels).
 
-cuDNN accumulates dq non-deterministically, so "auto" runs it only while
-``torch.are_deterministic_algorithms_enabled()`` is False; with deterministic algorithms on (or
-``FLASH_MSA_CMP_BACKEND=triton``) compressed attention runs the deterministic Triton kernels.
+cuDNN accumulates dq non-deterministically, so it runs only when the caller does not ask for a
+deterministic backward (``deterministic=False``, the argument of ``nsa_attention``) and
+``torch.are_deterministic_algorithms_enabled()`` is False; otherwise compressed attention runs the
+deterministic Triton kernels. Settings (op ``"dense_cmp"`` of flash_msa.tuning): ``SETTINGS``.
 """
 from __future__ import annotations
 
 import functools
-import os
+from types import MappingProxyType
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from flash_msa import tuning
 from flash_msa.window.window import range_attention_bwd, range_attention_fwd
 
-# "auto": cuDNN where it runs (see cudnn_supported) and the stream is uniform with at least
-# MIN_GROUPS compressed rows per sequence; "triton": always the range kernels; "cudnn": cuDNN
-# wherever it runs; "math": the dense grouped form in plain PyTorch (O(Tc^2) memory: tests only,
-# where it checks the regrouping on CPU).
+# SETTINGS["backend"]: "auto": cuDNN where it runs (see cudnn_supported) and the stream is uniform
+# with at least min_groups compressed rows per sequence; "triton": always the range kernels;
+# "cudnn": cuDNN wherever it runs; "math": the dense grouped form in plain PyTorch (O(Tc^2) memory:
+# for the tests, where it checks the regrouping on CPU).
 BACKENDS = ("auto", "triton", "cudnn", "math")
-BACKEND = os.environ.get("FLASH_MSA_CMP_BACKEND", "auto")
-# crossover in compressed rows per sequence: whole op at 16K (1023 rows) 13.1 ms on the range
-# kernels against 13.7 on cuDNN, at 32K (2047) 26.5 against 25.4 (nsa_h200_229b0a5.md, --compare-cmp)
-MIN_GROUPS = 2000
+# min_groups, the crossover in compressed rows per sequence: whole op at 16K (1023 rows) 13.1 ms on
+# the range kernels against 13.7 on cuDNN, at 32K (2047) 26.5 against 25.4 (nsa_h200_229b0a5.md,
+# --compare-cmp)
 LSE_CLAMP = 1e30  # stands for +inf (a zero gate) in the lse given to the backward
-# The dense calls' transient memory (cuDNN's output and dq, its fp32 dq accumulator, the repeated
-# KV heads: about 5 bytes per byte of q in one call) is split over calls that each take at most
-# OFFSETS_PER_CALL of a group's d token offsets (query heads [c*J*HQ, (c+1)*J*HQ)). At 4 of 16,
+# offsets_per_call: the dense calls' transient memory (cuDNN's output and dq, its fp32 dq accumulator,
+# the repeated KV heads: about 5 bytes per byte of q in one call) is split over calls that each take
+# at most offsets_per_call of a group's d token offsets (query heads [c*J*HQ, (c+1)*J*HQ)). At 4 of 16,
 # the whole op's peak memory equals the Triton path's at 64K and 256K (1 call: +2.2 and +9 GB; 8
 # or 16 calls: up to 2.6 ms slower at 64K; benchmarks/results/tune_dense_cmp_h200.json).
-# CHUNKS (or FLASH_MSA_CMP_CHUNKS) fixes the number of calls.
-OFFSETS_PER_CALL = 4
-CHUNKS = int(os.environ.get("FLASH_MSA_CMP_CHUNKS", "0")) or None
+# chunks (None: from offsets_per_call) fixes the number of calls.
+SETTINGS = MappingProxyType(dict(backend="auto", min_groups=2000, offsets_per_call=4, chunks=None))
+tuning.register("dense_cmp", SETTINGS)
 
 
 def group_count(L: int, block: int, stride: int) -> int:
@@ -75,25 +76,30 @@ def cudnn_supported(q: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
-def dense_layout(q: torch.Tensor, uniform: Optional[tuple[int, int]], block: int, stride: int) -> Optional[tuple[int, int]]:
-    """(B, L) when compressed attention runs in the dense grouped form, else None (Triton kernels).
+def dense_layout(q: torch.Tensor, uniform: Optional[tuple[int, int]], block: int, stride: int,
+                 deterministic: bool = False) -> Optional[tuple[int, int, str]]:
+    """(B, L, kernel) when compressed attention runs in the dense grouped form (kernel "cudnn", or
+    "math" for the tests), else None (the Triton range kernels).
 
     ``uniform`` is (B, L) when the stream [B*L] holds B sequences of L tokens each (known on the
-    host: a dense batch, or cu_seqlens of one sequence), else None.
+    host: a dense batch, or cu_seqlens of one sequence), else None. ``deterministic`` keeps the
+    bitwise deterministic range kernels (cuDNN's dq is not).
     """
-    if BACKEND not in BACKENDS:
-        raise ValueError(f"FLASH_MSA_CMP_BACKEND must be one of {BACKENDS}, got {BACKEND!r}")
-    if uniform is None or BACKEND == "triton" or group_count(uniform[1], block, stride) < 1:
+    cfg = tuning.settings("dense_cmp", SETTINGS)
+    backend = cfg["backend"]
+    if backend not in BACKENDS:
+        raise ValueError(f"dense_cmp backend must be one of {BACKENDS}, got {backend!r}")
+    if uniform is None or backend == "triton" or group_count(uniform[1], block, stride) < 1:
         return None
-    if BACKEND == "math":
-        return uniform
+    if backend == "math":
+        return (*uniform, "math")
     # cuDNN's backward rejects a dense call of one position (s_q = s_kv = 1)
     if split_groups(uniform[1], block, stride)[1] < 2:
         return None
-    if torch.are_deterministic_algorithms_enabled() or not cudnn_supported(q):
+    if deterministic or torch.are_deterministic_algorithms_enabled() or not cudnn_supported(q):
         return None
-    if BACKEND == "cudnn" or group_count(uniform[1], block, stride) >= MIN_GROUPS:
-        return uniform
+    if backend == "cudnn" or group_count(uniform[1], block, stride) >= cfg["min_groups"]:
+        return (*uniform, "cudnn")
     return None
 
 
@@ -131,12 +137,14 @@ def _kv_groups(x: torch.Tensor, B: int, Tc: int, S: int, stride: int) -> torch.T
 
 
 def chunk_count(stride: int) -> int:
-    """Calls the dense part runs in: d / J for the largest J <= OFFSETS_PER_CALL dividing d."""
-    if CHUNKS is not None:
-        if stride % CHUNKS:
-            raise ValueError(f"FLASH_MSA_CMP_CHUNKS ({CHUNKS}) must divide cmp_stride ({stride})")
-        return CHUNKS
-    J = max(j for j in range(1, min(OFFSETS_PER_CALL, stride) + 1) if stride % j == 0)
+    """Calls the dense part runs in: d / J for the largest J <= offsets_per_call dividing d."""
+    cfg = tuning.settings("dense_cmp", SETTINGS)
+    chunks = cfg["chunks"]
+    if chunks is not None:
+        if stride % chunks:
+            raise ValueError(f"dense_cmp chunks ({chunks}) must divide cmp_stride ({stride})")
+        return chunks
+    J = max(j for j in range(1, min(cfg["offsets_per_call"], stride) + 1) if stride % j == 0)
     return stride // J
 
 
@@ -269,17 +277,17 @@ def _cudnn_bwd(do4, q4, k4, v4, o4, lse4, scale, aux):
     return dq4, dk4, dv4
 
 
-def _attention():
-    return (_math_fwd, _math_bwd) if BACKEND == "math" else (_cudnn_fwd, _cudnn_bwd)
+def _attention(kernel: str):
+    return (_math_fwd, _math_bwd) if kernel == "math" else (_cudnn_fwd, _cudnn_bwd)
 
 
 def dense_cmp_forward(q, k_cmp, v_cmp, layout, block: int, stride: int, scale: float):
-    """Compressed attention of a uniform stream (``layout`` = (B, L) from :func:`dense_layout`).
+    """Compressed attention of a uniform stream (``layout`` = (B, L, kernel) from :func:`dense_layout`).
 
     Returns (o [T, HQ, D] in q's dtype, lse fp32 [T, HQ] natural log, -inf where nothing is
     visible, aux for :func:`dense_cmp_backward`): the contract of the range kernels.
     """
-    B, L = layout
+    B, L, kernel = layout
     T, HQ, D = q.shape
     Tc, S, n_last = split_groups(L, block, stride)
     o = q.new_empty(B, L, HQ, D)
@@ -296,7 +304,7 @@ def dense_cmp_forward(q, k_cmp, v_cmp, layout, block: int, stride: int, scale: f
         lse_g = group_view(lse, B, L, block, stride, S)
         for c in range(n):  # a few calls that bound the memory (chunk_count), not a loop over heads
             h = slice(c * J * HQ, (c + 1) * J * HQ)
-            o4, lse4, a = _attention()[0](q4[:, h], k4, v4, scale)
+            o4, lse4, a = _attention(kernel)[0](q4[:, h], k4, v4, scale)
             copy_heads(o_g[:, h], o4)
             lse_g[:, h].copy_(lse4.reshape(B, J * HQ, S))
             aux.append(a)
@@ -316,7 +324,7 @@ def dense_cmp_backward(q, k_cmp, v_cmp, o, lse, do, layout, block: int, stride: 
     gradient ``do``, with the softmax lse given as ``lse`` ([T, HQ]; lse - log(gate) in the single
     Function, +inf allowed) and ``delta = rowsum(o * do)`` (given, or computed here). Tokens
     in no group get dq = 0, and packed rows past the B sequences get dk = dv = 0."""
-    B, L = layout
+    B, L, kernel = layout
     T, HQ, D = q.shape
     HK = k_cmp.shape[1]
     Tc, S, n_last = split_groups(L, block, stride)
@@ -339,7 +347,7 @@ def dense_cmp_backward(q, k_cmp, v_cmp, o, lse, do, layout, block: int, stride: 
             lse4 = torch.empty(B, J * HQ, S, 1, dtype=torch.float32, device=q.device)
             # defensive: cuDNN 9.19 took +inf as well (exp(s - inf) = 0), the clamp gives the same
             torch.clamp(lse_g[:, h], max=LSE_CLAMP, out=lse4.view(B, J * HQ, S))
-            dq4, dk4, dv4 = _attention()[1](do4[:, h], q4[:, h], k4, v4, o4[:, h], lse4, scale, aux[c])
+            dq4, dk4, dv4 = _attention(kernel)[1](do4[:, h], q4[:, h], k4, v4, o4[:, h], lse4, scale, aux[c])
             copy_heads(dq_g[:, h], dq4)
             add_head_copies(dk_g, dk4)
             add_head_copies(dv_g, dv4)

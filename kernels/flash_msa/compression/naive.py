@@ -57,7 +57,8 @@ def compress_kv(
         out = hidden.transpose(0, 1)
     else:
         out = blocks.mean(1) + torch.bmm(F.gelu(hidden), proj.to(acc)).transpose(0, 1)  # [Tc, H, D]
-    return (out * valid[:, None, None]).to(x.dtype), cu_cmp
+    # rows past the sequences' blocks are 0 (where, not a product: their clamped keys may hold NaN)
+    return torch.where(valid[:, None, None], out, 0.).to(x.dtype), cu_cmp
 
 
 def _visible(cu_seqlens, cu_cmp, T: int, Tc: int, block: int, stride: int, device):

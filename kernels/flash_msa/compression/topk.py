@@ -29,7 +29,7 @@ blocks, up to the tile's last own block, and for each chunk:
    and the lower one wins. As a token's block scores sum to at most G <= 16, two tied blocks score
    at most 8 each, so they differ by less than 3.1e-5 (6.1e-5 for n > 16), inside the 1e-4 at
    which the tests accept a near-tie. The exact form, one int64 key
-   ``bits(score) << 32 | (2^31 - 1 - block)``, stays (``key32`` False in LAUNCH_OVERRIDE): with
+   ``bits(score) << 32 | (2^31 - 1 - block)``, stays (``key32=False`` in ``flash_msa.tuning.override(topk=...)``): with
    the int32 keys the kernel had 36% fewer shuffles and 13% fewer instructions under Triton 3.6
    (before PERM below; benchmarks/results/kernel_resources_sm90.md), and it went from 5.34 to
    5.05 ms at 64K and from 81.4 to 77.6 ms at 256K for G = 4, and from 6.01 to 5.77 ms for G = 5
@@ -102,6 +102,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_msa import tuning
 from flash_msa.utils.cache import per_batch
 
 LOG2E = 1.4426950408889634
@@ -598,8 +599,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     NB = max(16, triton.next_power_of_2(topk))
     BC = NB * slc_block // stride
     G = HQ // HK
-    cfg = _launch(q.device)
-    cfg.update(LAUNCH_OVERRIDE)
+    cfg = tuning.settings("topk", _launch(q.device))
     BT, opts = cfg["BT"], cfg["opts"]
     tl_sort = cfg.get("tl_sort", False)
     interior = cfg.get("interior", True)
@@ -617,15 +617,16 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cu_se
     return out
 
 
-# Launch settings ({"BT", "opts"}, optional "tl_sort", "interior", "key32", "perm", "kv",
-# "hybrid", "fold", "pair") that replace _launch's; tests and scripts/tune_nsa.py set them. "interior" False
+# Launch settings of op "topk" (flash_msa.tuning): {"BT", "opts"}, optional "tl_sort", "interior",
+# "key32", "perm", "kv", "hybrid", "fold", "pair"; an override replaces _launch's entries (tests and
+# scripts/tune_nsa.py use it). "interior" False
 # runs every chunk with the masks; "key32" False the exact int64 keys (module docstring, step 3);
 # "perm" False the score columns in plain order; "kv" False the gather of the blocks after the merge
 # (int32 keys only); "hybrid" True the hybrid network (with PERM and KV; _launch sets it on the
 # GPU); "fold" False the generic fold; "pair" True the interior chunks two at a time
 # (_select_chunk_pair; with "interior"). "perm", "kv" and "fold" default to True (PERM applies at
 # n <= 16 with l'/d = 4 only).
-LAUNCH_OVERRIDE: dict = {}
+tuning.register("topk", ("BT", "opts", "tl_sort", "interior", "key32", "perm", "kv", "hybrid", "fold", "pair"))
 
 
 def layout_flags(cfg: dict, NB: int, r: int) -> tuple[bool, bool, bool, bool]:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from flash_msa.compression.naive import compress_kv
 from flash_msa.decode.naive import nsa_decode_torch
-from flash_msa.utils.validation import check_qkv, check_scale, check_tensor, check_triton_device, trusted_inputs
+from flash_msa.utils.validation import (
+    check_nsa_sizes, check_qkv, check_scale, check_tensor, check_triton_device, trusted_inputs)
 
 IMPLS = ("auto", "triton", "torch")
 
@@ -137,8 +138,6 @@ def nsa_decode(
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     scale = check_scale(scale, D)
-    from flash_msa.nsa import check_nsa_sizes  # (nsa.py imports this package)
-
     check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window)
     if impl == "auto":
         impl = "triton" if q.is_cuda and q.dtype != torch.float64 else "torch"

@@ -10,14 +10,14 @@ and either all KV heads or one KV head (``default_partition``; docs/selected_att
 Memory). Its keys are consecutive in the CSR.
 
 Forward, per partition:
-  1. ``fmsa_fwd_kernel``: one program per group of FWD_TILES row tiles of one key. It loads
+  1. ``fmsa_fwd_kernel``: one program per group of ``fwd_tiles`` row tiles of one key. It loads
      K/V of the block once; per tile it gathers the query rows and writes the normalised
      partial output and its lse to a compact buffer indexed by entry. Programs past the
      partition's last group exit at once.
   2. ``fmsa_merge_kernel``: one program per (token, KV head) merges the partials of the
      token's valid slots in slot order: no atomics, deterministic.
 Backward: ``fmsa_bwd_preprocess_kernel`` (delta = rowsum(o * do)), then per partition:
-  1. ``fmsa_bwd_dkdv_kernel``: one program per segment (at most SEG_TILES row tiles) of a key.
+  1. ``fmsa_bwd_dkdv_kernel``: one program per segment (at most ``seg_tiles`` row tiles) of a key.
      It loads K/V once, accumulates dk/dv over its tiles in registers and writes the dq
      contribution of each row to a compact buffer. A key of one segment adds dk/dv to fp32
      accumulators (of the partition's KV heads) only it touches; a longer key (block 0)
@@ -27,21 +27,24 @@ Backward: ``fmsa_bwd_preprocess_kernel`` (delta = rowsum(o * do)), then per part
   3. ``fmsa_bwd_dq_kernel``: one program per (token, KV head) sums the dq contributions in
      slot order.
 
-Scores are kept in log2 units (``scale * log2(e)`` folded into the scale).
+Scores are kept in log2 units (``scale * log2(e)`` folded into the scale). Launch settings: the
+``LAUNCH`` table (``flash_msa.tuning.override(fmsa=...)`` replaces entries).
 """
 from __future__ import annotations
 
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-try:  # Triton >= 3.4; older Tritons keep the row stores (FWD_TMA / BWD_TMA then do nothing)
+try:  # Triton >= 3.4; older Tritons keep the row stores (fwd_tma / bwd_tma then do nothing)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
+from flash_msa import tuning
 from flash_msa.utils.csr import (
     SelectionCSR, build_selection_csr, get_block_meta, multi_segment_slots, padded_key_rows, tile_bound,
     tile_schedule)
@@ -60,13 +63,11 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # per KV head) 21.92 and 27.19 ms at 1200 and 1476 MiB, past the 1 GB the API promises at 64K
 # (benchmarks/results/selected_variants11_h200.log). Past 128K, twice the 6 KiB per token gained
 # about 1% of the whole op at 256K (429.3 against 431.7 / 433.9 ms) for 1 GB more (nsa_budget_h200_37ca19b.md).
-PARTIAL_BUDGET = 768 << 20
-PARTIAL_BUDGET_PER_TOKEN = 6 << 10
+# (LAUNCH: partial_budget, partial_budget_per_token)
 # Backward segments: tiles of BM rows per program (longer keys are split, then reduced).
 # With per-head partitions at 64K, fwd+bwd at G=4 / G=5: 16 tiles 29.0 / 33.8 ms, 32 tiles
 # 27.9 / 32.5, 64 tiles 27.4 / 32.0, 128 tiles 36.4 / 37.5 (block 0's key, selected by every
-# query, then has too few segments); benchmarks/results/selected_variants2_h200.log.
-SEG_TILES = 64
+# query, then has too few segments); benchmarks/results/selected_variants2_h200.log. (LAUNCH: seg_tiles)
 
 
 @triton.jit
@@ -404,48 +405,51 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-# Launch settings (measured on H200, docs/selected_attention.md); module globals so the
-# benchmark can time variants. FWD_TILES: row tiles per forward program, all of one key, so its
-# K/V are loaded once: 4 tiles took the forward from 10.37 to 9.35 ms at 64K G=4 and from 12.68
-# to 11.37 at G=5, against 2 consecutive tiles of any keys with K/V loaded per tile
+# Launch settings (measured on H200, docs/selected_attention.md), in LAUNCH below.
+# fwd_tiles: row tiles per forward program, all of one key, so its K/V are loaded once: 4 tiles
+# took the forward from 10.37 to 9.35 ms at 64K G=4 and from 12.68 to 11.37 at G=5, against 2 consecutive tiles of any keys with K/V loaded per tile
 # (benchmarks/results/selected_variants4_h200.log; 8 tiles: 9.36 / 11.28).
-FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
-# Register cap of the forward kernel: 128 fits 4 programs per SM instead of 3 (the compiler's
-# choice is 147 registers with key groups, 142 before), at the cost of a few spills. Measured
+# fwd_maxnreg, the register cap of the forward kernel: 128 fits 4 programs per SM instead of 3
+# (the compiler's choice is 147 registers with key groups, 142 before), at the cost of a few spills. Measured
 # before key groups at 64K: 10.52 against 11.05 ms at G=4, 12.97 against 13.70 at G=5
 # (selected_variants_h200.log, fourth run); with them, uncapped 10.00 against 9.35 ms at G=4
 # and 11.87 against 11.37 at G=5 (selected_variants4_h200.log).
-FWD_MAXNREG = 128
-# FWD_TMA (Hopper and later): the forward's partial outputs written tile by tile by TMA bulk copies
+# fwd_tma (Hopper and later): the forward's partial outputs written tile by tile by TMA bulk copies
 # (asynchronous: a tile's write runs under the next tile's matmuls) in key order, each key's rows
 # padded to a multiple of BM, which the merge reads through a per-entry row index; instead of row
-# by row from registers in entry order. BWD_TMA: the same for the dk/dv kernel's dq parts and the
+# by row from registers in entry order. bwd_tma: the same for the dk/dv kernel's dq parts and the
 # dq reduction. At 64K on the H200: forward 8.10 against 8.28 / 8.31 ms at G=4, 9.99 against
 # 10.31 / 10.35 at G=5; forward + backward with both 21.61 against 22.31 / 22.22 ms at G=4, 26.76
 # against 27.48 / 27.38 at G=5, for 35 MiB more (benchmarks/results/selected_variants16_h200.log,
 # second run; the main kernel alone 5.50 against 5.70 ms at G=4, probe_sol_tma_h200.log). At 2
 # stages the staging tile leaves 3 programs per SM instead of 4: 8.96 ms.
-FWD_TMA = True
-FWD_TMA_STAGES = 1
-BWD_TMA = True
-# BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
+# bwd_stages: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
 # load ahead, so the next tile's q/do gather, double-buffered, needs no second round trip): forward +
 # backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5
 # (benchmarks/results/selected_variants6_h200.log; 1 stage: 25.90 / 33.31). It compiles for every
 # block size and head dim with the same registers and spills as 2 stages (kernel_resources.py).
-BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 3
-# Register cap of the dk/dv kernel (0: none; the compiler then takes 255 at every tile size measured)
-BWD_MAXNREG = 0
-# Warps of a merge program (one token, the G heads of one KV head: a [G, D] tile per slot). One
-# warp for G <= 8, where a program's 16 slot loads then take 16-byte vectors per thread: forward
-# at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
+# bwd_maxnreg, the register cap of the dk/dv kernel (0: none; the compiler then takes 255 at every
+# tile size measured).
+# merge_warps_small_g, the warps of a merge program (one token, the G heads of one KV head: a
+# [G, D] tile per slot). One warp for G <= 8, where a program's 16 slot loads then take 16-byte
+# vectors per thread: forward at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
 # (15.21 against 15.48 with one); benchmarks/results/selected_variants5_h200.log. The dq
 # reduction (same shape) measured the same with 1, 2 or 4 warps and keeps the default 4.
-MERGE_WARPS_SMALL_G = 1
+LAUNCH = MappingProxyType(dict(
+    fwd_bm=64, fwd_warps=4, fwd_stages=2, fwd_tiles=4, fwd_maxnreg=128, fwd_tma=True, fwd_tma_stages=1,
+    bwd_tma=True, bwd_bm=128, bwd_warps=8, bwd_stages=3, bwd_maxnreg=0, merge_warps_small_g=1, seg_tiles=64,
+    partial_budget=768 << 20, partial_budget_per_token=6 << 10,
+))
+tuning.register("fmsa", LAUNCH)
+
+
+def launch_settings() -> Mapping:
+    """LAUNCH with the active ``flash_msa.tuning.override(fmsa=...)`` applied."""
+    return tuning.settings("fmsa", LAUNCH)
 
 
 def _tma(flag: bool, q: torch.Tensor) -> bool:
-    """Whether a kernel writes its partials by TMA (``flag``: FWD_TMA or BWD_TMA): on NVIDIA Hopper
+    """Whether a kernel writes its partials by TMA (``flag``: fwd_tma or bwd_tma): on NVIDIA Hopper
     or later with 2-byte inputs (what was measured; the dk/dv kernel's fp32 staging tile would not
     fit its shared memory), or in the CPU interpreter, which emulates the copies. Needs Triton's
     host-side tensor descriptors (3.4+)."""
@@ -473,16 +477,17 @@ def _tma_index(buf: torch.Tensor, csr: SelectionCSR, G: int, BM: int, rows: int)
 
 def dq_partial_rows(q: torch.Tensor, csr: SelectionCSR, HKG: int, G: int) -> int:
     """Rows of the backward's dq-part buffer: one partition's partial rows, plus the padding of
-    every key's rows to a multiple of the tile with BWD_TMA."""
+    every key's rows to a multiple of the tile with bwd_tma."""
     T, _, D = q.shape
+    cfg = launch_settings()
     rows = partition_rows(T, csr.chunk_size, HKG, G, csr.S)
-    if _tma(BWD_TMA, q):
-        rows = padded_rows(rows, HKG, csr.meta.num_blocks, _bwd_tile_rows(D, csr.meta.block_size))
+    if _tma(cfg["bwd_tma"], q):
+        rows = padded_rows(rows, HKG, csr.meta.num_blocks, _bwd_tile_rows(cfg, D, csr.meta.block_size))
     return rows
 
 
-def _fwd_stages(tma: bool, block_size: int, D: int) -> int:
-    return (FWD_TMA_STAGES if tma else FWD_STAGES) if block_size * D <= 64 * 128 else 1
+def _fwd_stages(cfg: Mapping, tma: bool, block_size: int, D: int) -> int:
+    return (cfg["fwd_tma_stages"] if tma else cfg["fwd_stages"]) if block_size * D <= 64 * 128 else 1
 
 
 def _reg_cap(cap: int, x: torch.Tensor) -> dict:
@@ -490,16 +495,16 @@ def _reg_cap(cap: int, x: torch.Tensor) -> dict:
     return {"maxnreg": cap} if cap and x.is_cuda else {}
 
 
-def _merge_warps(G: int) -> int:
-    return MERGE_WARPS_SMALL_G if G <= 8 else 4
+def _merge_warps(cfg: Mapping, G: int) -> int:
+    return cfg["merge_warps_small_g"] if G <= 8 else 4
 
 
-def _fwd_tile_rows(D: int, block_size: int) -> int:
-    return FWD_BM
+def _fwd_tile_rows(cfg: Mapping, D: int, block_size: int) -> int:
+    return cfg["fwd_bm"]
 
 
-def _bwd_tile_rows(D: int, block_size: int) -> int:
-    return BWD_BM if block_size * D <= 64 * 128 else min(BWD_BM, 32)
+def _bwd_tile_rows(cfg: Mapping, D: int, block_size: int) -> int:
+    return cfg["bwd_bm"] if block_size * D <= 64 * 128 else min(cfg["bwd_bm"], 32)
 
 
 def chunk_blocks(csr: SelectionCSR, i_c: int) -> int:
@@ -514,7 +519,7 @@ def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: in
     """(query tokens per chunk, KV heads per partition) for the partial buffers.
 
     Partials (forward o, backward dq) are stored in the input dtype, plus an fp32 lse, and
-    one partition's must fit ``max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)`` bytes. When
+    one partition's must fit ``max(partial_budget, partial_budget_per_token * T)`` bytes (LAUNCH). When
     the whole sequence fits with all KV heads, that is one partition. Otherwise a partition
     is one KV head and the largest power-of-two chunk that fits, HK times longer chunks than
     all heads would get, so keys gather more rows (fuller tiles) and dk/dv are read back and
@@ -529,7 +534,8 @@ def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: in
     """
     heads = _check_heads(HK, heads)
     per_token = (HQ // HK) * S * (element_size * D + 4)  # one KV head's partial bytes per token
-    budget = max(PARTIAL_BUDGET, PARTIAL_BUDGET_PER_TOKEN * T)
+    cfg = launch_settings()
+    budget = max(cfg["partial_budget"], cfg["partial_budget_per_token"] * T)
     pow2_floor = lambda n: 1 << max(6, n.bit_length() - 1)
     if heads is None:
         if T * HK * per_token <= budget:
@@ -582,8 +588,9 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
     HK, S = k.shape[1], block_indices.shape[-1]
     G = HQ // HK
     meta, Tc = csr.meta, csr.chunk_size
-    BM = _fwd_tile_rows(D, meta.block_size)
-    R = BM * FWD_TILES  # rows of a program: FWD_TILES row tiles of one key
+    cfg = launch_settings()
+    BM = _fwd_tile_rows(cfg, D, meta.block_size)
+    R = BM * cfg["fwd_tiles"]  # rows of a program: fwd_tiles row tiles of one key
     tile_key, tile_first = tile_schedule(csr, G, R)
     if csr.local:
         if o is None or lse is None:
@@ -592,7 +599,7 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
         o = torch.empty_like(q)
         lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
     rows = partition_rows(T, Tc, HKG, G, S)
-    tma = _tma(FWD_TMA, q)
+    tma = _tma(cfg["fwd_tma"], q)
     pdt = torch.float32 if q.dtype == torch.float32 else q.dtype
     po = torch.empty(padded_rows(rows, HKG, meta.num_blocks, BM) if tma else rows, D, device=q.device, dtype=pdt)
     plse = torch.empty(rows, device=q.device, dtype=torch.float32)
@@ -602,13 +609,13 @@ def fmsa_fwd(q, k, v, block_indices, csr: SelectionCSR, scale, HKG: int,
         fmsa_fwd_kernel[(tile_bound(entries, G, R, HKG * chunk_blocks(csr, i_c)),)](
             q, k, v, po_arg, plse, pidx, key_rows, csr.entry_ids, csr.key_offsets, tile_key, tile_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, meta.num_blocks, scale * LOG2E,
-            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=FWD_TILES, HKG=HKG, TMA=tma,
-            num_warps=FWD_WARPS, num_stages=_fwd_stages(tma, meta.block_size, D),
-            **_reg_cap(FWD_MAXNREG, q))
+            HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BM=BM, NT=cfg["fwd_tiles"], HKG=HKG, TMA=tma,
+            num_warps=cfg["fwd_warps"], num_stages=_fwd_stages(cfg, tma, meta.block_size, D),
+            **_reg_cap(cfg["fwd_maxnreg"], q))
         fmsa_merge_kernel[(min(Tc, T - c0), HKG)](
             po, plse, pidx, o, lse, block_indices, meta.tok_start, c0, hk0, T,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=meta.block_size, BG=_reduce_rows(G),
-            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, TMA=tma, num_warps=_merge_warps(G))
+            BSS=triton.next_power_of_2(S), HKG=HKG, LOCAL=csr.local, TMA=tma, num_warps=_merge_warps(cfg, G))
     return o, lse
 
 
@@ -623,8 +630,9 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
     G = HQ // HK
     meta, Tc = csr.meta, csr.chunk_size
     BS, NB = meta.block_size, meta.num_blocks
-    BM = _bwd_tile_rows(D, BS)
-    SEG = SEG_TILES * BM
+    cfg = launch_settings()
+    BM = _bwd_tile_rows(cfg, D, BS)
+    SEG = cfg["seg_tiles"] * BM
     seg_key, seg_first = tile_schedule(csr, G, SEG)
     slot_first = multi_segment_slots(csr, G, SEG)
     n_slots = 2 * partition_rows(T, Tc, HKG, G, S) // SEG + 1  # a key of n > SEG rows has < 2n / SEG segments
@@ -642,11 +650,11 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
                 raise ValueError(f"dkv's {name} must be a contiguous {k.dtype} tensor of k's shape {tuple(k.shape)}, "
                                  f"got {tuple(x.shape)} {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}")
     write_dq = dq_partial is not None
-    tma = write_dq and _tma(BWD_TMA, q)
+    tma = write_dq and _tma(cfg["bwd_tma"], q)
     if tma:  # dq_partial needs dq_partial_rows() rows: keys padded to BM
         need = dq_partial_rows(q, csr, HKG, G)
         if dq_partial.shape[0] < need:
-            raise ValueError(f"dq_partial has {dq_partial.shape[0]} rows; with BWD_TMA it needs "
+            raise ValueError(f"dq_partial has {dq_partial.shape[0]} rows; with bwd_tma it needs "
                              f"dq_partial_rows() = {need}")
         dq_arg, pidx, key_rows = _tma_index(dq_partial, csr, G, BM, partition_rows(T, Tc, HKG, G, S))
     else:
@@ -663,7 +671,7 @@ def fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr: SelectionCSR, scale, dq_partial:
             csr.entry_ids, csr.key_offsets, seg_key, seg_first, slot_first,
             meta.block_start, meta.block_end, k_lo, c0, hk0, NB, scale * LOG2E, scale,
             HQ=HQ, HK=HK, G=G, S=S, D=D, BS=BS, BM=BM, SEG=SEG, WRITE_DQ=write_dq, HKG=HKG, TMA=tma,
-            num_warps=BWD_WARPS, num_stages=BWD_STAGES, **_reg_cap(BWD_MAXNREG, q))
+            num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"], **_reg_cap(cfg["bwd_maxnreg"], q))
         final = i_c == csr.num_chunks - 1  # these KV heads are done: the sums of every block go to dk, dv
         n_red = NB if final else nbc  # (the last chunk's nbc is NB too)
         fmsa_bwd_dkdv_reduce_kernel[(HKG * n_red,)](
@@ -694,7 +702,9 @@ def fmsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: flo
         HKG = partition_heads(T, HK, chunk_size, heads)
     meta = get_block_meta(cu_seqlens, T, block_size)
     # the kernels index partial rows in int32; with TMA each key's rows are padded to a tile
-    rows = padded_rows(partition_rows(T, chunk_size, HKG, HQ // HK, S), HKG, meta.num_blocks, max(FWD_BM, BWD_BM))
+    cfg = launch_settings()
+    rows = padded_rows(partition_rows(T, chunk_size, HKG, HQ // HK, S), HKG, meta.num_blocks,
+                       max(cfg["fwd_bm"], cfg["bwd_bm"]))
     if rows >= 2 ** 31:
         raise ValueError(f"chunk_size={chunk_size} gives {rows} partial rows per partition "
                          "(chunk * KV heads per partition * G * S, plus a tile per key); it must be < 2^31")
@@ -752,10 +762,10 @@ def kernel_limits_error(q: torch.Tensor, S: int) -> Optional[Exception]:
     return None
 
 
-def check_kernel_limits(q: torch.Tensor, block_indices: torch.Tensor) -> None:
+def check_kernel_limits(q: torch.Tensor, S: int) -> None:
     """The shapes and dtypes the Triton kernels support, beyond the interface's checks; and a
     device they run on (CUDA, or any tensor under the CPU interpreter, ``TRITON_INTERPRET=1``)."""
-    err = kernel_limits_error(q, block_indices.shape[-1])
+    err = kernel_limits_error(q, S)
     if err is not None:
         raise err
     check_triton_device(q, "the Triton selected-attention kernels need", "reference")
@@ -774,7 +784,7 @@ def fmsa_selected_attention(
     the batch and 1 otherwise.
     Raises ValueError for shapes this kernel does not support (head dim, S, dtype).
     """
-    check_kernel_limits(q, block_indices)
+    check_kernel_limits(q, block_indices.shape[-1])
     B, T, HQ, D = q.shape
     qf, cu = flatten_batch(q.contiguous(), cu_seqlens)
     kf = k.contiguous().reshape(B * T, *k.shape[2:])

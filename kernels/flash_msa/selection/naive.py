@@ -37,15 +37,21 @@ def masked_softmax_av(s: torch.Tensor, mask: torch.Tensor, v: torch.Tensor) -> t
     """softmax(s) @ v over the last dim of s, restricted to ``mask``; rows with no key give 0.
 
     s, mask: [..., N]; v: [..., N, D] -> [..., D]. Written without -inf so that fully
-    masked rows have finite gradients.
+    masked rows have finite gradients. A key outside a row's mask never reaches the row, not even
+    a NaN or inf in its score or value (packed documents stay isolated from each other): masked
+    scores are replaced, and since ``p @ v`` would multiply a masked key's non-finite value by 0,
+    such values enter as 0 and only the rows that see them become NaN.
     """
     if s.shape[-1] == 0:  # no keys at all (a stream shorter than one compression stride): every row gives 0
         return s @ v  # an empty sum: zeros [..., D] (broadcast as the general case), in the graph of s and v
     s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
     m = s.amax(-1, keepdim=True).detach()
-    p = torch.exp(s - m) * mask
+    p = torch.where(mask, torch.exp(s - m), 0.)
     denom = p.sum(-1, keepdim=True)
-    return (p @ v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    bad = ~torch.isfinite(v).all(-1)  # [..., N] keys with a non-finite value
+    o = (p @ v.masked_fill(bad[..., None], 0.)) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    seen = (mask & bad[..., None, :]).any(-1, keepdim=True)  # [..., R, 1] rows that see one
+    return o.masked_fill(seen, float("nan"))
 
 
 def _valid_entries(block_indices: torch.Tensor, t_rel: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ boundary instead of deep inside a Triton kernel or with a silently wrong result.
 """
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -13,26 +14,29 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# NSA's sizes that the kernels (and the reference) take
+CMP_BLOCK_SIZES = (8, 16, 32, 64)
+CMP_STRIDES = (4, 8, 16, 32, 64)
+SELECTED_BLOCK_SIZES = (16, 32, 64, 128)
+MAX_TOPK = 32
 
 _TRUSTED: ContextVar[bool] = ContextVar("flash_msa_trusted_inputs", default=False)
 
 
 def _trusting(t: torch.Tensor) -> bool:
     """Whether the value checks are skipped for ``t``: on an accelerator, inside
-    :func:`trusted_inputs` (of this thread or task) or with ``FLASH_MSA_TRUST_INPUTS=1`` (read
-    at every call)."""
-    return t.device.type != "cpu" and (_TRUSTED.get() or os.environ.get("FLASH_MSA_TRUST_INPUTS", "0") == "1")
+    :func:`trusted_inputs` (of this thread or task)."""
+    return t.device.type != "cpu" and _TRUSTED.get()
 
 
 @contextmanager
 def trusted_inputs() -> Iterator[None]:
     """Skip the value checks that need a device-to-host copy.
 
-    Shapes, dtypes and devices are always checked. Three checks read values: ``cu_seqlens``
-    (starts at 0, non-decreasing, ends at T), ``block_indices`` (distinct entries per query)
-    and the gates (in [0, 1]). On an accelerator they are skipped inside this context, or
-    everywhere when the environment sets ``FLASH_MSA_TRUST_INPUTS=1``; on the CPU they always
-    run. The context is per thread (and asyncio task): another thread's calls keep their
+    Shapes, dtypes, devices and scalars are always checked. Three checks read values:
+    ``cu_seqlens`` (starts at 0, non-decreasing, ends at T), ``block_indices`` (entries in
+    [-1, n_blocks) of the query's sequence, distinct per query) and the gates (in [0, 1]). On an
+    accelerator they are skipped inside this context; on the CPU they always run. The context is per thread (and asyncio task): another thread's calls keep their
     checks. The trainer validates ``cu_seqlens`` once per batch on the CPU and then runs its
     layers inside this context, so the hot path has no host sync.
     """
@@ -144,14 +148,31 @@ def check_block_indices(block_indices, B: int, T: int, HK: int, device: torch.de
     return S
 
 
-def check_distinct_entries(block_indices: torch.Tensor) -> None:
-    """Entries of one query (-1 aside) must be distinct: a repeat would count its block twice.
+def check_entries(block_indices: torch.Tensor, block_size: int, cu_seqlens: Optional[torch.Tensor]) -> None:
+    """Entries must lie in [-1, n_blocks), n_blocks = cdiv(L, block_size) for the L tokens of the
+    query's sequence (a larger one names no block of it, another negative one nothing), and the
+    entries of one query (-1 aside) must be distinct: a repeat would count its block twice.
 
-    A value check, so it follows the policy of :func:`trusted_inputs` (skipped inside it on an
-    accelerator). Costs one sort of [B, T, HK, S].
+    Value checks, so they follow the policy of :func:`trusted_inputs` (skipped inside it on an
+    accelerator: no host sync per layer). Cost: a few elementwise ops and one sort of [B, T, HK, S].
     """
     if _trusting(block_indices):
         return
+    B, T = block_indices.shape[:2]
+    if cu_seqlens is None:
+        n_blocks = torch.full((T,), -(-T // block_size), device=block_indices.device)
+    else:
+        cu = cu_seqlens.to(torch.int64)
+        lens = cu[1:] - cu[:-1]
+        seq = torch.searchsorted(cu[1:], torch.arange(T, device=cu.device), right=True)  # [T] sequence of each token
+        n_blocks = (lens[seq] + block_size - 1) // block_size
+    n_blocks = n_blocks.view(1, T, 1, 1)
+    bad = (block_indices < -1) | (block_indices >= n_blocks)
+    if bad.any():
+        b, t, h, j = bad.nonzero()[0].tolist()
+        raise ValueError(f"block_indices must lie in [-1, n_blocks) with n_blocks = cdiv(sequence length, block_size) "
+                         f"of the query's sequence: block_indices[{b}, {t}, {h}, {j}] = {block_indices[b, t, h, j].item()}, "
+                         f"n_blocks = {n_blocks[0, t, 0, 0].item()}")
     s = block_indices.sort(-1).values
     repeat = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
     if repeat.any():
@@ -173,8 +194,23 @@ def check_gates_range(gates: torch.Tensor) -> None:
 
 
 def check_scale(scale, D: int) -> float:
+    """The softmax scale: None means 1/sqrt(D); else a finite positive number (inf would give NaN)."""
     if scale is None:
         return D ** -0.5
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale must be a positive float or None (meaning 1/sqrt(D)), got {scale!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite positive float or None (meaning 1/sqrt(D)), got {scale!r}")
     return float(scale)
+
+
+def check_nsa_sizes(cmp_block, cmp_stride, slc_block, slc_topk, window) -> None:
+    """NSA's block sizes, stride, top-n and window (nsa_attention, decoding, msa_train's config)."""
+    check_block_size("cmp_block", cmp_block, CMP_BLOCK_SIZES)
+    check_block_size("cmp_stride", cmp_stride, CMP_STRIDES)
+    if cmp_block % cmp_stride != 0:
+        raise ValueError(f"cmp_block ({cmp_block}) must be a multiple of cmp_stride ({cmp_stride})")
+    check_block_size("slc_block", slc_block, SELECTED_BLOCK_SIZES)
+    if slc_block % cmp_stride != 0:
+        raise ValueError(f"slc_block ({slc_block}) must be a multiple of cmp_stride ({cmp_stride})")
+    if not isinstance(slc_topk, int) or isinstance(slc_topk, bool) or not 1 <= slc_topk <= MAX_TOPK:
+        raise ValueError(f"slc_topk must be an int in [1, {MAX_TOPK}], got {slc_topk!r}")
+    check_positive_int("window", window)

@@ -24,7 +24,7 @@ G (1..16, 5 included) packs densely.
 Backward: dq per query tile, dk/dv per key tile, no atomics, so it is deterministic. The
 dk/dv programs are ordered key tile-major, and for compressed attention each walks its query
 rows from the last down, so that the programs running together read the same q/do rows
-(``DKDV_DESC``).
+(``desc`` of the launch settings, ``_tiles``).
 Scores are kept in log2 units inside the kernels; ``lse`` is returned in natural log.
 
 Reads bottom-up: kernels -> host launchers -> autograd Function -> public functions.
@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flash_msa import tuning
 from flash_msa.utils.cache import per_batch
 from flash_msa.utils.varlen import token_seq_bounds
 
@@ -127,7 +128,7 @@ def range_attn_fwd_kernel(
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
-    if LOCAL:  # a few tiles (two blocks), all masked: one loop here, not three (see the note above TILE_OVERRIDE)
+    if LOCAL:  # a few tiles (two blocks), all masked: one loop here, not three (see the note above _tiles)
         b_lo, b_hi, n_start, _, _, n_end = _query_tile_keys(mid, hi, o_t, m_m, BN)
         for n0 in range(n_start, n_end, BN):
             b_m, b_l, b_acc = _fwd_step(b_q, b_m, b_l, b_acc, k, v, b_lo, b_hi, n0, n_end, i_h, scale2, HK, D, BD, BN, True)
@@ -292,7 +293,7 @@ def range_attn_bwd_dkdv_kernel(
     BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, LOCAL: tl.constexpr,
 ):
     # one program per (key tile, KV head), a 1-D grid ordered tile-major (the KV heads of a tile
-    # are neighbours), see DKDV_DESC. LOCAL (rows upwards only): key row s is also in the second
+    # are neighbours), see _tiles' desc. LOCAL (rows upwards only): key row s is also in the second
     # softmax of the queries [qlo[s], qmid[s]) (range_attn_bwd_dq_kernel), whose rows come first.
     i_n, i_h = tl.program_id(0) // HK, tl.program_id(0) % HK
     o_n = i_n * BN + tl.arange(0, BN)
@@ -356,8 +357,9 @@ def range_attn_bwd_dkdv_kernel(
     tl.store(dv + o_kv, b_dv.to(dv.dtype.element_ty), mask=m_kv)
 
 
-# dk/dv schedule. The programs run key tile-major, and per kind DESC walks each program's query
-# rows from the last down (_tiles adds it to the dk/dv launch options unless a config sets it). Before (rows
+# dk/dv schedule ("desc" below). The programs run key tile-major, and per kind DESC walks each
+# program's query rows from the last down (_tiles adds it to the dk/dv launch options unless the
+# entry sets it). Before (rows
 # upwards, head after head), compressed attention's dk/dv read q/do at a 4% L2 hit rate
 # (benchmarks/results/ncu_nsa_64k_h200/range_attn_bwd_dkdv_kernel.txt), and at 64K its 512
 # programs of falling length ran head after head, the longest of the last heads last. Whole
@@ -365,7 +367,6 @@ def range_attn_bwd_dkdv_kernel(
 # 20.88 -> 15.84 ms at 64K and 262.7 -> 251.6 at 256K; the window, whose key tiles see equal
 # short ranges, gains only from the tile-major order (rows downwards cost it 6% at 256K):
 # 5.41 -> 5.10 ms at 64K, 22.06 -> 20.75 at 256K.
-DKDV_DESC = {"cmp": True, "window": False}
 
 # The local part of the window kernels (LOCAL, flash_msa/fused.py) runs its few tiles all masked,
 # in one loop per kernel. Three loop parts like the rest (unmasked tiles inside; with dk/dv's ds as
@@ -373,10 +374,11 @@ DKDV_DESC = {"cmp": True, "window": False}
 # (Llama3-8B), 68.1 against 68.1 (Qwen3-14B), the window dq kernel 2.80 against 2.67 ms
 # (commit e8488f2: benchmarks/results/nsa_local_h200_e8488f2.md, profile_nsa_64k_local_h200_e8488f2.log).
 
-# Launch tiles per kernel: {"fwd" | "dq" | "dkdv": (BM, BN, launch options)}. Entries here
-# replace the defaults of _tiles; tests use them to force small tiles and scripts/tune_nsa.py
-# to time candidates.
-TILE_OVERRIDE: dict = {}
+# Launch settings of op "range_attention" (flash_msa.tuning): per kernel "fwd" | "dq" | "dkdv" a
+# (BM, BN, launch options) entry, and "desc" {kind: bool}, the dk/dv row order. An override
+# (flash_msa.tuning.override(range_attention=...)) replaces whole entries; tests force small tiles
+# with it and scripts/tune_nsa.py times candidates.
+tuning.register("range_attention", ("fwd", "dq", "dkdv", "desc"))
 
 
 def _tiles(D: int, device, kind: str, local: bool = False) -> dict:
@@ -384,6 +386,7 @@ def _tiles(D: int, device, kind: str, local: bool = False) -> dict:
     selected attention's local blocks, flash_msa/fused.py): H200-tuned on CUDA, large tiles for the
     CPU interpreter."""
     BD = max(16, triton.next_power_of_2(D))
+    desc = {"cmp": True, "window": False}
     if device.type != "cuda":
         cfg = dict(fwd=(64, 64, {}), dq=(64, 64, {}), dkdv=(64, 64, {}))
     elif BD <= 64:
@@ -400,9 +403,9 @@ def _tiles(D: int, device, kind: str, local: bool = False) -> dict:
             # against 5.89 ms (Llama3-8B), 6.94 against 7.52 (Qwen3-14B); without them the two
             # tiles are even (5.39 / 5.35 ms, tune_h200.md)
             cfg["dq"] = (64, 64, dict(num_warps=4, num_stages=2))
-    cfg.update(TILE_OVERRIDE)
+    cfg = dict(tuning.settings("range_attention", dict(cfg, desc=desc)))
     bm, bn, opts = cfg["dkdv"]
-    cfg["dkdv"] = (bm, bn, {"DESC": DKDV_DESC[kind], **opts})  # the kind's row order unless the config sets one
+    cfg["dkdv"] = (bm, bn, {"DESC": cfg.pop("desc")[kind], **opts})  # the kind's row order unless the entry sets one
     return dict(BD=BD, **cfg)
 
 

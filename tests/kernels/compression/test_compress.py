@@ -78,11 +78,15 @@ def test_compress_mlp_matches_reference(case, l, d, D, device):
 
 
 @pytest.mark.parametrize("mlp", [False, True], ids=["linear", "mlp"])
-def test_compress_split_weight_gradient(mlp, device, monkeypatch):
+def test_compress_split_weight_gradient(mlp, device):
     """dW and dproj summed over compressed rows in several splits (partials added in order)."""
-    from flash_msa.compression import compress
-    monkeypatch.setattr(compress, "DW_SPLIT_ROWS", 8)
-    monkeypatch.setattr(compress, "DW_MAX_SPLITS", 3)  # 37 rows: splits of 13 rows (16 on CPU tiles)
+    from flash_msa import tuning
+    # 37 rows: splits of 13 rows (16 on CPU tiles)
+    with tuning.override(compress=dict(dw_split_rows=8, dw_max_splits=3)):
+        _split_weight_gradient(mlp, device)
+
+
+def _split_weight_gradient(mlp, device):
     dtype = _dtype(device)
     cu = torch.tensor(CASES["many-seqs"], dtype=torch.int32, device=device)
     T, HK, D, l, d = CASES["many-seqs"][-1], 2, 16, 32, 16

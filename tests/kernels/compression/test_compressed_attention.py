@@ -76,9 +76,9 @@ def test_compressed_attention_interior_tiles(group, device, small_range_tiles):
     _check([0, 20, 300, 420], HQ, HK, 16, device)
 
 
-def test_compressed_attention_dkdv_rows_upwards(device, small_range_tiles, monkeypatch):
-    """The dk/dv kernel walking its query rows upwards (the window's order, window.DKDV_DESC;
-    compressed attention walks them downwards, covered above): all three loop parts run."""
-    from flash_msa.window import window
-    monkeypatch.setattr(window, "DKDV_DESC", dict(cmp=False))
-    _check([0, 20, 300, 420], 10, 2, 16, device)
+def test_compressed_attention_dkdv_rows_upwards(device, small_range_tiles):
+    """The dk/dv kernel walking its query rows upwards (the window's order, range_attention's
+    "desc"; compressed attention walks them downwards, covered above): all three loop parts run."""
+    from flash_msa import tuning
+    with tuning.override(range_attention=dict(desc=dict(cmp=False, window=False))):
+        _check([0, 20, 300, 420], 10, 2, 16, device)

@@ -7,7 +7,7 @@ the same checks run cuDNN (bf16), where it takes the shape.
 import pytest
 import torch
 
-from flash_msa import reference
+from flash_msa import reference, tuning
 from flash_msa.compression import dense_cmp
 from flash_msa.utils.varlen import compressed_cu_seqlens
 from tests.helpers import assert_close
@@ -24,10 +24,10 @@ CUDA_LAYOUTS = {"one-seq-D64": (1, 1000, 8, 2, 64, 32, 16), "batch2-G5-D128": (2
 
 
 @pytest.fixture
-def backend(device, monkeypatch):
+def backend(device):
     name = "cudnn" if device == "cuda" else "math"
-    monkeypatch.setattr(dense_cmp, "BACKEND", name)
-    return name
+    with tuning.override(dense_cmp=dict(backend=name)):
+        yield name
 
 
 def _run(B, L, HQ, HK, D, l, d, device, zero_gates):
@@ -44,7 +44,7 @@ def _run(B, L, HQ, HK, D, l, d, device, zero_gates):
     if device == "cuda" and dense_cmp.split_groups(L, l, d)[1] < 2:
         assert layout is None  # cuDNN's backward takes no dense call of one position
         return
-    assert layout == (B, L)
+    assert layout == (B, L, "cudnn" if device == "cuda" else "math")
     with torch.no_grad():
         o, lse, aux = dense_cmp.dense_cmp_forward(q, kc, vc, layout, l, d, scale)
     o_ref, lse_ref = reference.compressed_attention(q, kc, vc, cu, cu_cmp, l, d, scale)
@@ -81,23 +81,23 @@ def test_dense_cmp_matches_reference(layout, device, backend):
 
 
 @pytest.mark.parametrize("chunks", [2, 16])
-def test_dense_cmp_in_chunks(chunks, device, backend, monkeypatch):
+def test_dense_cmp_in_chunks(chunks, device, backend):
     """The dense part in several calls over the groups' token offsets (the memory bound)."""
-    monkeypatch.setattr(dense_cmp, "CHUNKS", chunks)
     B, L, HQ, HK, D, l, d = CUDA_LAYOUTS["batch2-G5-D128"] if device == "cuda" else LAYOUTS["one-seq"]
     if device == "cuda" and not dense_cmp.cudnn_supported(torch.empty(1, 1, 64, device=device, dtype=torch.bfloat16)):
         pytest.skip("needs cuDNN fused attention (CUDA, sm90)")
-    _run(B, L, HQ, HK, D, l, d, device, zero_gates=True)
+    with tuning.override(dense_cmp=dict(chunks=chunks)):
+        _run(B, L, HQ, HK, D, l, d, device, zero_gates=True)
 
 
-def test_chunk_count(monkeypatch):
+def test_chunk_count():
     assert dense_cmp.chunk_count(16) == 4  # 4 token offsets (4*HQ query heads) per call
     assert dense_cmp.chunk_count(12) == 3
     assert dense_cmp.chunk_count(6) == 2  # J = 3
     assert dense_cmp.chunk_count(2) == 1
-    monkeypatch.setattr(dense_cmp, "CHUNKS", 5)
-    with pytest.raises(ValueError, match="FLASH_MSA_CMP_CHUNKS"):
-        dense_cmp.chunk_count(16)
+    with tuning.override(dense_cmp=dict(chunks=5)):
+        with pytest.raises(ValueError, match=r"dense_cmp chunks \(5\) must divide cmp_stride \(16\)"):
+            dense_cmp.chunk_count(16)
 
 
 def test_group_view():
@@ -116,29 +116,30 @@ def test_group_view():
 
 def test_dense_layout_policy(monkeypatch):
     q = torch.empty(10, 4, 64)
-    monkeypatch.setattr(dense_cmp, "BACKEND", "math")
-    assert dense_cmp.dense_layout(q, (2, 100), 32, 16) == (2, 100)
-    assert dense_cmp.dense_layout(q, None, 32, 16) is None  # a packed stream of several lengths
-    assert dense_cmp.dense_layout(q, (2, 31), 32, 16) is None  # no compressed row: the range kernels
-    monkeypatch.setattr(dense_cmp, "BACKEND", "triton")
-    assert dense_cmp.dense_layout(q, (2, 100), 32, 16) is None
-    monkeypatch.setattr(dense_cmp, "BACKEND", "auto")
-    assert dense_cmp.dense_layout(q, (2, 100_000), 32, 16) is None  # CPU: no cuDNN
+    layout = dense_cmp.dense_layout
+    with tuning.override(dense_cmp=dict(backend="math")):
+        assert layout(q, (2, 100), 32, 16) == (2, 100, "math")
+        assert layout(q, None, 32, 16) is None  # a packed stream of several lengths
+        assert layout(q, (2, 31), 32, 16) is None  # no compressed row: the range kernels
+    with tuning.override(dense_cmp=dict(backend="triton")):
+        assert layout(q, (2, 100), 32, 16) is None
+    assert layout(q, (2, 100_000), 32, 16) is None  # "auto" on CPU: no cuDNN
     monkeypatch.setattr(dense_cmp, "cudnn_supported", lambda q: True)
-    assert dense_cmp.dense_layout(q, (1, 100_000), 32, 16) == (1, 100_000)
-    assert dense_cmp.dense_layout(q, (1, 1000), 32, 16) is None  # below MIN_GROUPS
-    monkeypatch.setattr(dense_cmp, "BACKEND", "cudnn")
-    assert dense_cmp.dense_layout(q, (1, 1000), 32, 16) == (1, 1000)
-    assert dense_cmp.dense_layout(q, (1, 63), 32, 16) == (1, 63)  # two full groups
-    assert dense_cmp.dense_layout(q, (1, 62), 32, 16) is None  # one dense position: cuDNN's backward rejects it
-    try:  # cuDNN's dq is not deterministic: deterministic algorithms keep the Triton kernels
-        torch.use_deterministic_algorithms(True)
-        assert dense_cmp.dense_layout(q, (1, 100_000), 32, 16) is None
-    finally:
-        torch.use_deterministic_algorithms(False)
-    monkeypatch.setattr(dense_cmp, "BACKEND", "fast")
-    with pytest.raises(ValueError, match="FLASH_MSA_CMP_BACKEND"):
-        dense_cmp.dense_layout(q, (1, 100_000), 32, 16)
+    assert layout(q, (1, 100_000), 32, 16) == (1, 100_000, "cudnn")
+    assert layout(q, (1, 1000), 32, 16) is None  # below min_groups
+    assert layout(q, (1, 100_000), 32, 16, deterministic=True) is None  # the deterministic range kernels
+    with tuning.override(dense_cmp=dict(backend="cudnn")):
+        assert layout(q, (1, 1000), 32, 16) == (1, 1000, "cudnn")
+        assert layout(q, (1, 63), 32, 16) == (1, 63, "cudnn")  # two full groups
+        assert layout(q, (1, 62), 32, 16) is None  # one dense position: cuDNN's backward rejects it
+        try:  # cuDNN's dq is not deterministic: deterministic algorithms keep the Triton kernels
+            torch.use_deterministic_algorithms(True)
+            assert layout(q, (1, 100_000), 32, 16) is None
+        finally:
+            torch.use_deterministic_algorithms(False)
+    with tuning.override(dense_cmp=dict(backend="fast")):
+        with pytest.raises(ValueError, match="dense_cmp backend must be one of"):
+            layout(q, (1, 100_000), 32, 16)
 
 
 def test_nsa_attention_passes_uniform_streams(monkeypatch):
@@ -147,8 +148,8 @@ def test_nsa_attention_passes_uniform_streams(monkeypatch):
     import flash_msa.nsa as nsa
     seen = []
 
-    def spy(branches, q, *args):
-        seen.append(args[-1])  # uniform, the last argument
+    def spy(branches, q, *args, uniform, deterministic):
+        seen.append(uniform)
         return torch.zeros_like(q)
 
     monkeypatch.setattr(nsa, "_compose", spy)

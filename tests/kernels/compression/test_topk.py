@@ -3,16 +3,31 @@
 A difference between the sets is accepted only for near-ties: every block chosen by one side
 and not the other must have a score within 1e-4 of the n-th best score (the threshold).
 """
+import contextlib
+
 import pytest
 import torch
 
-from flash_msa import reference
+from flash_msa import reference, tuning
 from flash_msa.compression.naive import _compressed_scores, _visible, block_overlap
 from flash_msa.compression.topk import select_blocks, tile_table
 from flash_msa.utils.varlen import token_seq_bounds
 
 GROUPS = {"G1": (2, 2), "G3": (6, 2), "G4": (8, 2), "G5": (10, 2), "G8": (8, 1), "G16": (16, 1)}
 SEQS = {"varlen": [0, 5, 40, 41, 130, 200], "one-seq-190": [0, 190], "first-blocks": [0, 3, 31, 32, 70, 97]}
+
+
+@pytest.fixture
+def topk_launch():
+    """``set(cfg)``: run the rest of the test with top-k launch settings ``cfg`` (entries that replace
+    _launch's, through flash_msa.tuning.override); each call replaces the previous one."""
+    stack = contextlib.ExitStack()
+
+    def set_(cfg):
+        stack.close()
+        stack.enter_context(tuning.override(topk=cfg))
+    yield set_
+    stack.close()
 
 
 def _block_scores(q, k_cmp, lse, cu, cu_cmp, l, d, lp, scale):
@@ -94,19 +109,19 @@ def test_tile_table_never_crosses_sequences(device):
     assert (covered == 1).all()
 
 
-def test_select_blocks_sort_networks_agree(device, monkeypatch):
+def test_select_blocks_sort_networks_agree(device, monkeypatch, topk_launch):
     """Triton's tl.sort / tl.bitonic_merge (the GPU default) and our network (the interpreter's):
     each matches the reference, and they pick the same blocks bit for bit."""
     from flash_msa.compression import topk
     picked = []
     for tl_sort in (True, False):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(tl_sort=tl_sort))
+        topk_launch(dict(tl_sort=tl_sort))
         torch.manual_seed(0)
         picked.append(_check([0, 5, 300, 420], 10, 2, 16, 4, 32, device))
     assert torch.equal(picked[0], picked[1])
 
 
-def test_select_blocks_interior_chunks_unmasked(device, monkeypatch):
+def test_select_blocks_interior_chunks_unmasked(device, monkeypatch, topk_launch):
     """The chunks that every token of a tile sees in full run without the masks (INTERIOR): the
     blocks are the same, bit for bit, as with every chunk masked, on sequences of several chunks
     of 16 blocks (the middle ones interior) next to short ones, with tiles past a sequence's end."""
@@ -114,7 +129,7 @@ def test_select_blocks_interior_chunks_unmasked(device, monkeypatch):
     cu_list = [0, 40, 900, 917]
     got = []
     for interior in (True, False):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(interior=interior))
+        topk_launch(dict(interior=interior))
         torch.manual_seed(0)
         got.append(_check(cu_list, 6, 2, 16, 4, 16, device, l=16, d=16))
     assert torch.equal(got[0], got[1])
@@ -132,7 +147,7 @@ def test_select_blocks_across_chunks(l, d, lp, device):
 
 
 @pytest.mark.parametrize("key32", [True, False], ids=["int32-keys", "int64-keys"])
-def test_select_blocks_permuted_columns_agree(key32, device, monkeypatch):
+def test_select_blocks_permuted_columns_agree(key32, device, monkeypatch, topk_launch):
     """The NSA defaults (l = 32, d = 16, l' = 64, n = 16) run the score tile with permuted columns
     (PERM; the fold then undoes the permutation and shifts the spill by splits and joins) and, with
     int32 keys, carry the blocks through the merge (KV): each matches the reference up to
@@ -143,7 +158,7 @@ def test_select_blocks_permuted_columns_agree(key32, device, monkeypatch):
     from flash_msa.compression import topk
     picked = []
     for perm in ((True, False) if key32 else (True,)):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(key32=key32, perm=perm, kv=perm))
+        topk_launch(dict(key32=key32, perm=perm, kv=perm))
         torch.manual_seed(0)
         picked.append(_check([0, 37, 2230], 5, 1, 16, 16, 64, device))
     if not key32:
@@ -152,7 +167,7 @@ def test_select_blocks_permuted_columns_agree(key32, device, monkeypatch):
     assert same == 1.0 if device == "cpu" else same >= 0.999
 
 
-def test_select_blocks_hybrid_network_agrees(device, monkeypatch):
+def test_select_blocks_hybrid_network_agrees(device, monkeypatch, topk_launch):
     """At the NSA defaults (PERM and KV) the chunk's sort and the merge can take their stages along
     the row's two lowest index bits (registers in PERM's layout) by min/max within a thread and the
     others by the xor exchange (``hybrid``, the GPU's default): the same blocks, bit for bit, as
@@ -164,7 +179,7 @@ def test_select_blocks_hybrid_network_agrees(device, monkeypatch):
     base = {} if device == "cuda" else {"tl_sort": False, "BT": 16}
     picked = []
     for hybrid in (True, False):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(base, hybrid=hybrid))
+        topk_launch(dict(base, hybrid=hybrid))
         torch.manual_seed(0)
         picked.append(_check([0, 29, 1290], 3, 1, 16, 16, 64, device))
     assert torch.equal(picked[0], picked[1])
@@ -172,7 +187,7 @@ def test_select_blocks_hybrid_network_agrees(device, monkeypatch):
 
 @pytest.mark.parametrize("sizes,cu_list", [((16, 16, 16), [0, 40, 1300, 1317]), ((32, 16, 64), [0, 37, 4300])],
                          ids=["plain-columns", "nsa-defaults"])
-def test_select_blocks_paired_interior_chunks_agree(sizes, cu_list, device, monkeypatch):
+def test_select_blocks_paired_interior_chunks_agree(sizes, cu_list, device, monkeypatch, topk_launch):
     """Interior chunks taken two at a time (``pair``: one query load per head for both, the two
     folds and sorts side by side, then the two merges in order) pick the same blocks, bit for bit,
     as one at a time, each the reference's up to near-ties: tiles with odd and even numbers of
@@ -196,7 +211,7 @@ def test_select_blocks_paired_interior_chunks_agree(sizes, cu_list, device, monk
     monkeypatch.setattr(topk, "select_blocks_kernel", Spy(topk.select_blocks_kernel))
     picked = []
     for pair in (True, False):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(base, pair=pair))
+        topk_launch(dict(base, pair=pair))
         torch.manual_seed(0)
         picked.append(_check(cu_list, 3, 1, 16, 16, lp, device, l=l, d=d))
     assert launched == [True, False]
@@ -215,26 +230,26 @@ def test_select_blocks_paired_interior_chunks_agree(sizes, cu_list, device, monk
     assert {2, 3} <= counts
 
 
-def test_select_blocks_key_widths_agree(device, monkeypatch):
+def test_select_blocks_key_widths_agree(device, monkeypatch, topk_launch):
     """int32 keys (score bits truncated to make room for a priority; the default) and the exact
     int64 keys: each matches the reference up to near-ties, and they pick the same blocks on
     nearly every row."""
     from flash_msa.compression import topk
     picked = []
     for key32 in (True, False):
-        monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(key32=key32))
+        topk_launch(dict(key32=key32))
         torch.manual_seed(0)
         picked.append(_check([0, 5, 300, 420], 10, 2, 16, 4, 32, device))
     assert (picked[0] == picked[1]).all(-1).float().mean() >= 0.99
 
 
 @pytest.mark.parametrize("key32", [True, False], ids=["int32-keys", "int64-keys"])
-def test_select_blocks_exact_ties_go_to_lower_blocks(key32, device, monkeypatch):
+def test_select_blocks_exact_ties_go_to_lower_blocks(key32, device, monkeypatch, topk_launch):
     """Zero compressed keys make every compressed token equally likely, so the blocks that the
     compressed tokens cover alike tie exactly, across chunks and inside them: the lower blocks
     must win, exactly as in the reference (n = 4 of up to 56 blocks of l' = 16)."""
     from flash_msa.compression import topk
-    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(key32=key32))
+    topk_launch(dict(key32=key32))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cu_list, HQ, HK, D, l, d, lp, n = [0, 30, 900], 6, 2, 16, 16, 16, 16, 4
     cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
@@ -255,12 +270,12 @@ def test_select_blocks_exact_ties_go_to_lower_blocks(key32, device, monkeypatch)
 
 
 @pytest.mark.parametrize("key32", [True, False], ids=["int32-keys", "int64-keys"])
-def test_select_blocks_more_than_16_slots(key32, device, monkeypatch):
+def test_select_blocks_more_than_16_slots(key32, device, monkeypatch, topk_launch):
     """n = 20 runs a running list of 32 (six priority bits in the int32 keys), over sequences of
     up to 56 blocks of l' = 16, so chunks are merged into a list that is not yet full and into
     a full one; each key width matches the reference up to near-ties."""
     from flash_msa.compression import topk
-    monkeypatch.setattr(topk, "LAUNCH_OVERRIDE", dict(key32=key32))
+    topk_launch(dict(key32=key32))
     idx = _check([0, 30, 900], 4, 2, 16, 20, 16, device, l=16, d=16)
     assert (idx[-1] >= 0).sum(-1).eq(20).all()
 

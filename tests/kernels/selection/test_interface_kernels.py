@@ -11,7 +11,7 @@ from tests.helpers import assert_close
 
 
 def test_kernels_registered():
-    assert {"fmsa", "nsa", "reference"} <= set(IMPLS)
+    assert {"fmsa", "qc", "reference"} <= set(IMPLS)
 
 
 def test_auto_is_reference_without_cuda():
@@ -25,7 +25,7 @@ def test_auto_falls_back_for_unsupported_shapes():
     assert choose_impl(q, q[:, :, :2], 4, 16) == "reference"
 
 
-@pytest.mark.parametrize("impl", ["fmsa", "nsa"])
+@pytest.mark.parametrize("impl", ["fmsa", "qc"])
 def test_dense_batch_through_public_api(impl, device):
     """[B=2, T, H, D] without cu_seqlens: two independent sequences."""
     B, T, HK, G, D, S, bs = 2, 37, 1, 2, 16, 3, 16
@@ -46,7 +46,7 @@ def test_dense_batch_through_public_api(impl, device):
             assert_close(f"{impl} {name}[{b}]", x.grad[b:b + 1].float(), r.grad, tol=tolerance(device))
 
 
-@pytest.mark.parametrize("impl", ["fmsa", "nsa"])
+@pytest.mark.parametrize("impl", ["fmsa", "qc"])
 @pytest.mark.parametrize("bad, match", [
     ({"D": 48}, "D \\(head dim\\) must be one of"),
     ({"S": 33}, "S \\(selected blocks per query\\) must be at most 32"),

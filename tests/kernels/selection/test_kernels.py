@@ -1,4 +1,4 @@
-"""fmsa (KV-block-centric) and nsa (query-centric) selected attention against the reference:
+"""fmsa (KV-block-centric) and qc (query-centric) selected attention against the reference:
 forward and dq, dk, dv, over group sizes, block sizes, head dims, varlen and adversarial indices."""
 import pytest
 import torch
@@ -8,7 +8,7 @@ from tests.helpers import assert_close
 from tests.kernels.selection._cases import (
     assert_matches_reference, kernel_dtype, make_case, run, seq_starts, tolerance)
 
-IMPLS = ["fmsa", "nsa"]
+IMPLS = ["fmsa", "qc"]
 
 # (T or cu_seqlens, HK, G, D, S, block_size): every G of 1..16 the issue names, block sizes
 # 16..128, D 16/32/64/128, odd lengths, varlen with sequences shorter than a block.
@@ -80,14 +80,14 @@ def test_query_without_valid_block(impl, device):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_backward_is_deterministic(impl, device, monkeypatch):
+def test_backward_is_deterministic(impl, device, monkeypatch, launch):
     """Two backward runs give bitwise equal gradients. fmsa runs with several query chunks, long
     keys split into segments and several tiles per forward program, to cover those paths."""
     kwargs = {}
     if impl == "fmsa":
-        monkeypatch.setattr(fmsa, "SEG_TILES", 1)
-        monkeypatch.setattr(fmsa, "FWD_TILES", 2)
-        monkeypatch.setattr(fmsa, "BWD_BM", 16)
+        launch("fmsa", seg_tiles=1)
+        launch("fmsa", fwd_tiles=2)
+        launch("fmsa", bwd_bm=16)
         kwargs = {"chunk_size": 32}
     c = make_case(100, 1, 5, 16, 3, 16, device, cu_seqlens=[0, 9, 100])
     c.block_indices[..., 0] = torch.where(c.block_indices[..., 0] >= 0, c.block_indices[..., 0], 0)
@@ -100,13 +100,13 @@ def test_backward_is_deterministic(impl, device, monkeypatch):
 
 @pytest.mark.parametrize("chunk,heads", [(32, 1), (32, 3), (128, 1)],
                          ids=["chunks-per-head", "chunks-all-heads", "one-chunk-per-head"])
-def test_fmsa_partitions(chunk, heads, device, monkeypatch):
+def test_fmsa_partitions(chunk, heads, device, monkeypatch, launch):
     """The partial buffers hold one partition (query chunk x KV heads) at a time: per KV head or
     all heads, one or several chunks, with long keys split into segments; each matches the
     reference, at HK=3 (not a power of two) and varlen. (The default, one partition of all
     heads at these sizes, is what every other test runs.)"""
-    monkeypatch.setattr(fmsa, "SEG_TILES", 1)
-    monkeypatch.setattr(fmsa, "BWD_BM", 16)
+    launch("fmsa", seg_tiles=1)
+    launch("fmsa", bwd_bm=16)
     c = make_case(100, 3, 2, 16, 3, 16, device, cu_seqlens=[0, 9, 70, 100], seed=3)
     c.block_indices[..., 0] = torch.where(c.block_indices[..., 0] >= 0, c.block_indices[..., 0], 0)
     c.block_indices[..., 1:] = torch.where(c.block_indices[..., 1:] == 0, -1, c.block_indices[..., 1:])
@@ -114,12 +114,12 @@ def test_fmsa_partitions(chunk, heads, device, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk,heads", [(32, 1), (128, 3)], ids=["chunks-per-head", "one-partition"])
-def test_fmsa_backward_adds_to_given_dk_dv(chunk, heads, device, monkeypatch):
+def test_fmsa_backward_adds_to_given_dk_dv(chunk, heads, device, monkeypatch, launch):
     """Given dkv = (dk, dv) (the whole op passes the window's), fmsa's backward adds its fp32 dk/dv
     to them in the heads' last reduction and returns those very tensors: their values plus its own,
     on every token row, over several partitions and split keys."""
-    monkeypatch.setattr(fmsa, "SEG_TILES", 1)
-    monkeypatch.setattr(fmsa, "BWD_BM", 16)
+    launch("fmsa", seg_tiles=1)
+    launch("fmsa", bwd_bm=16)
     c = make_case(100, 3, 2, 16, 3, 16, device, cu_seqlens=[0, 9, 70, 100], seed=5)
     q, k, v, do = (x.detach()[0] for x in (c.q, c.k, c.v, c.do))
     bi = c.block_indices[0]
@@ -139,12 +139,12 @@ def test_fmsa_backward_adds_to_given_dk_dv(chunk, heads, device, monkeypatch):
         fmsa.fmsa_backward(q, k, v, lse, bi, state, c.scale, do, delta, dkv=(dk_in, dv_in.double()))
 
 
-def test_default_partition(monkeypatch):
+def test_default_partition(monkeypatch, launch):
     """One partition with all KV heads when the sequence fits the budget; otherwise one KV head
     and the longest power-of-two chunk whose partials fit, unless all heads would take fewer
     than HK chunks; a given head count gets the longest chunk that fits; others are refused."""
-    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 1 << 20)
-    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
+    launch("fmsa", partial_budget=1 << 20)
+    launch("fmsa", partial_budget_per_token=0)
     HQ, HK, S, D = 16, 4, 4, 64
     per_token_head = (HQ // HK) * S * (2 * D + 4)  # 2112 bytes: 496 tokens of one head fit, 124 of four
     assert fmsa.default_partition(100, HQ, HK, S, D) == (100, HK)
@@ -163,14 +163,14 @@ def test_default_partition(monkeypatch):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_default_per_head_partitions(impl, device, monkeypatch):
+def test_default_per_head_partitions(impl, device, monkeypatch, launch):
     """With a partial budget small enough that ``default_partition`` picks per-head partitions
-    in several chunks, both kernels (nsa's backward uses fmsa's dk/dv) match the reference and
+    in several chunks, both kernels (qc's backward uses fmsa's dk/dv) match the reference and
     a second backward is bitwise equal."""
-    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET", 4 << 10)
-    monkeypatch.setattr(fmsa, "PARTIAL_BUDGET_PER_TOKEN", 0)
-    monkeypatch.setattr(fmsa, "SEG_TILES", 1)
-    monkeypatch.setattr(fmsa, "BWD_BM", 16)
+    launch("fmsa", partial_budget=4 << 10)
+    launch("fmsa", partial_budget_per_token=0)
+    launch("fmsa", seg_tiles=1)
+    launch("fmsa", bwd_bm=16)
     T, HK, G, D, S = 96, 2, 2, 16, 3
     c = make_case(T, HK, G, D, S, 16, device, cu_seqlens=[0, 40, 96], seed=5)
     # one KV head, two chunks (chunks are at least 64 tokens)
@@ -216,34 +216,34 @@ def test_index_buffer_rewritten_before_backward(impl, device):
     ((150, 1, 4, 64, 2, 64), None, None),
     ((40, 1, 16, 16, 3, 16), None, None),
 ], ids=["g2-chunks-per-head", "g5-one-partition", "g4-bs64-d64", "g16"])
-def test_fmsa_tma_partials(shape, chunk, heads, device, monkeypatch):
-    """FWD_TMA / BWD_TMA (the forward's partials and the backward's dq parts written tile by tile
+def test_fmsa_tma_partials(shape, chunk, heads, device, monkeypatch, launch):
+    """fwd_tma / bwd_tma (the forward's partials and the backward's dq parts written tile by tile
     by TMA bulk copies in key order, found by the reductions through a per-entry row index) against
     both stored row by row in entry order: the same output and gradients bit for bit, with several
     tiles per program, split keys and partitions; both match the reference."""
     T, HK, G, D, S, bs = shape
-    monkeypatch.setattr(fmsa, "FWD_TILES", 2)
-    monkeypatch.setattr(fmsa, "FWD_BM", 16)
-    monkeypatch.setattr(fmsa, "SEG_TILES", 2)
-    monkeypatch.setattr(fmsa, "BWD_BM", 16)
+    launch("fmsa", fwd_tiles=2)
+    launch("fmsa", fwd_bm=16)
+    launch("fmsa", seg_tiles=2)
+    launch("fmsa", bwd_bm=16)
     c = make_case(T, HK, G, D, S, bs, device, cu_seqlens=[0, 9, 70, T] if T == 100 else None, seed=7)
     kw = {} if chunk is None else dict(chunk_size=chunk, heads=heads)
-    monkeypatch.setattr(fmsa, "FWD_TMA", False)
-    monkeypatch.setattr(fmsa, "BWD_TMA", False)
+    launch("fmsa", fwd_tma=False)
+    launch("fmsa", bwd_tma=False)
     rows = run("fmsa", c, **kw)
     if device != "cpu" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs Hopper or later")
-    monkeypatch.setattr(fmsa, "FWD_TMA", True)
-    monkeypatch.setattr(fmsa, "BWD_TMA", True)
+    launch("fmsa", fwd_tma=True)
+    launch("fmsa", bwd_tma=True)
     tma = assert_matches_reference("fmsa", c, device, **kw)
     for name, a, b in zip(("o", "dq", "dk", "dv"), rows, tma):
         assert torch.equal(a, b), name
 
 
 def test_fmsa_tma_dq_buffer_too_small_is_refused(device):
-    """With BWD_TMA the dq-part buffer needs each key's rows padded to a tile: a buffer of the
+    """With bwd_tma the dq-part buffer needs each key's rows padded to a tile: a buffer of the
     unpadded size is refused with the size it needs, before any kernel writes past it."""
-    if not fmsa._tma(fmsa.BWD_TMA, torch.empty(1, device=device, dtype=kernel_dtype(device))):
+    if not fmsa._tma(fmsa.LAUNCH["bwd_tma"], torch.empty(1, device=device, dtype=kernel_dtype(device))):
         pytest.skip("no TMA writes here")
     c = make_case(40, 1, 2, 16, 2, 16, device)
     q, k, v, do = (x.detach()[0] for x in (c.q, c.k, c.v, c.do))
@@ -252,5 +252,5 @@ def test_fmsa_tma_dq_buffer_too_small_is_refused(device):
     delta = fmsa.attention_delta(o, do)
     rows = fmsa.partition_rows(40, csr.chunk_size, HKG, 2, csr.S)
     small = torch.empty(rows, 16, device=q.device, dtype=q.dtype)
-    with pytest.raises(ValueError, match=r"dq_partial has \d+ rows; with BWD_TMA it needs dq_partial_rows\(\)"):
+    with pytest.raises(ValueError, match=r"dq_partial has \d+ rows; with bwd_tma it needs dq_partial_rows\(\)"):
         fmsa.fmsa_bwd_dkdv(q, k, v, do, lse, delta, csr, c.scale, small, HKG, bi, torch.empty_like(q))

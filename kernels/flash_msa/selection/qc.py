@@ -1,4 +1,4 @@
-"""Selected attention in the query-centric (NSA) loop order.
+"""Selected attention in the query-centric loop order (``impl="qc"``; the order of the NSA paper's kernel).
 
 One program owns one query token and the G query heads of one KV head: the heads form
 the M dimension of the matmuls (padded to 16 rows when G < 16). It loops over the
@@ -36,7 +36,7 @@ def _selected_block(k, v, b_start, b_idx, i_t, i_hk, HK: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def nsa_fwd_kernel(
+def qc_fwd_kernel(
     q, k, v, o, lse, block_indices, tok_start, scale2,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BG: tl.constexpr,
@@ -72,7 +72,7 @@ def nsa_fwd_kernel(
 
 
 @triton.jit
-def nsa_bwd_dq_kernel(
+def qc_bwd_dq_kernel(
     q, k, v, do, lse, delta, dq, block_indices, tok_start, scale2, scale,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BG: tl.constexpr, ACC: tl.constexpr,
@@ -115,46 +115,46 @@ def _stages(block_size: int, D: int) -> int:
     return 3 if block_size * D <= 64 * 128 else 1
 
 
-def nsa_fwd(q, k, v, block_indices, meta, scale):
+def qc_fwd(q, k, v, block_indices, meta, scale):
     """q [T, HQ, D], k/v [T, HK, D], block_indices [T, HK, S] -> o [T, HQ, D], lse fp32 [T, HQ]."""
     T, HQ, D = q.shape
     HK, S = k.shape[1], block_indices.shape[-1]
     o = torch.empty_like(q)
     lse = torch.empty(T, HQ, device=q.device, dtype=torch.float32)
-    nsa_fwd_kernel[(T, HK)](
+    qc_fwd_kernel[(T, HK)](
         q, k, v, o, lse, block_indices, meta.tok_start, scale * LOG2E,
         HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK),
         num_stages=_stages(meta.block_size, D))
     return o, lse
 
 
-def nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale, dq=None):
-    """dq; a given ``dq`` is added to (see :func:`nsa_backward`)."""
+def qc_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale, dq=None):
+    """dq; a given ``dq`` is added to (see :func:`qc_backward`)."""
     T, HQ, D = q.shape
     HK, S = k.shape[1], block_indices.shape[-1]
     acc = dq is not None
     if not acc:
         dq = torch.empty_like(q)
-    nsa_bwd_dq_kernel[(T, HK)](
+    qc_bwd_dq_kernel[(T, HK)](
         q, k, v, do, lse, delta, dq, block_indices, meta.tok_start, scale * LOG2E, scale,
         HQ=HQ, HK=HK, G=HQ // HK, S=S, D=D, BS=meta.block_size, BG=_group_rows(HQ // HK), ACC=acc,
         num_stages=_stages(meta.block_size, D))
     return dq
 
 
-def nsa_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: float):
+def qc_forward(q, k, v, block_indices, block_size: int, cu_seqlens, scale: float):
     """(o, lse, meta) on flat [T, H, D] inputs: the forward and what its backward needs."""
     meta = get_block_meta(cu_seqlens, q.shape[0], block_size)
-    o, lse = nsa_fwd(q, k, v, block_indices, meta, scale)
+    o, lse = qc_fwd(q, k, v, block_indices, meta, scale)
     return o, lse, meta
 
 
-def nsa_backward(q, k, v, lse, block_indices, meta, scale: float, do, delta, dq: Optional[torch.Tensor] = None,
+def qc_backward(q, k, v, lse, block_indices, meta, scale: float, do, delta, dq: Optional[torch.Tensor] = None,
                  dkv: Optional[tuple] = None):
-    """(dq, dk, dv) from :func:`nsa_forward`'s lse (log2) and meta, with delta = rowsum(o * do).
+    """(dq, dk, dv) from :func:`qc_forward`'s lse (log2) and meta, with delta = rowsum(o * do).
     A given ``dq`` (``dkv`` = (dk, dv)) holds other branches' gradients, which this adds to
     (flash_msa/fused.py)."""
-    dq = nsa_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale, dq)
+    dq = qc_bwd_dq(q, k, v, do, lse, delta, block_indices, meta, scale, dq)
     # dk, dv: KV-block-centric; partitions bound the buffer of split keys' segments
     T, HQ, D = q.shape
     chunk, heads = _fmsa.default_partition(T, HQ, k.shape[1], block_indices.shape[-1], D, q.element_size())
@@ -163,11 +163,11 @@ def nsa_backward(q, k, v, lse, block_indices, meta, scale: float, do, delta, dq:
     return dq, dk, dv
 
 
-class NSASelectedAttentionFunction(torch.autograd.Function):
+class QCSelectedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, block_indices, block_size, cu_seqlens, scale):
-        o, lse, meta = nsa_forward(q, k, v, block_indices, block_size, cu_seqlens, scale)
+        o, lse, meta = qc_forward(q, k, v, block_indices, block_size, cu_seqlens, scale)
         ctx.save_for_backward(q, k, v, o, lse, block_indices)
         ctx.meta, ctx.scale = meta, scale
         return o
@@ -177,11 +177,11 @@ class NSASelectedAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, block_indices = ctx.saved_tensors
         do = do.contiguous()
         delta = _fmsa.attention_delta(o, do)  # [T, HQ]
-        dq, dk, dv = nsa_backward(q, k, v, lse, block_indices, ctx.meta, ctx.scale, do, delta)
+        dq, dk, dv = qc_backward(q, k, v, lse, block_indices, ctx.meta, ctx.scale, do, delta)
         return dq, dk, dv, None, None, None, None
 
 
-def nsa_selected_attention(
+def qc_selected_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
     block_size: int, cu_seqlens: Optional[torch.Tensor], scale: float,
 ) -> torch.Tensor:
@@ -189,11 +189,11 @@ def nsa_selected_attention(
 
     Raises ValueError for shapes this kernel does not support (head dim, S, dtype).
     """
-    _fmsa.check_kernel_limits(q, block_indices)
+    _fmsa.check_kernel_limits(q, block_indices.shape[-1])
     B, T, HQ, D = q.shape
     qf, cu = flatten_batch(q.contiguous(), cu_seqlens)
     kf = k.contiguous().reshape(B * T, *k.shape[2:])
     vf = v.contiguous().reshape(B * T, *v.shape[2:])
     bi = block_indices.contiguous().reshape(B * T, *block_indices.shape[2:])
-    o = NSASelectedAttentionFunction.apply(qf, kf, vf, bi, block_size, cu, scale)
+    o = QCSelectedAttentionFunction.apply(qf, kf, vf, bi, block_size, cu, scale)
     return o.view(B, T, HQ, D)

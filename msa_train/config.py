@@ -71,6 +71,11 @@ class AttentionConfig:
     def is_sparse(self) -> bool:
         return self.name != "full"
 
+    @property
+    def selected_impl(self) -> str:
+        """flash_msa's selected-attention impl for this name: nsa is the query-centric loop order."""
+        return {"nsa": "qc"}.get(self.name, self.name)
+
 
 @dataclass
 class ParallelConfig:
@@ -132,6 +137,7 @@ class TrainConfig:
     profile_step: int = 0                # > 0: torch.profiler over that optimizer step -> profile_step<N>.{json,md}
     objective: str = "lm"                # lm (next-token loss: pretraining, SFT) | dpo (preference pairs)
     dpo_beta: float = 0.1                # DPO's beta: scale of the implicit reward
+    deterministic: bool = False          # NSA's compressed attention on the bitwise deterministic Triton kernels, not cuDNN
 
     def __post_init__(self):
         for key in ("steps", "seq_len", "grad_accum", "log_every", "loss_chunk_tokens"):

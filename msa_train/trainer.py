@@ -177,7 +177,8 @@ class Trainer:
         # weights as they are constructed (self._init_context).
         on_device = self.device.type == "cuda" and cfg.parallel.zero_stage != 3
         with torch.device(self.device) if on_device else contextlib.nullcontext():
-            self.model = build_model(cfg.model, cfg.attention, dtype=dtype, init_context=self._init_context)
+            self.model = build_model(cfg.model, cfg.attention, dtype=dtype, init_context=self._init_context,
+                                     deterministic=cfg.train.deterministic)
         if self.sp is not None:
             from msa_train.models import _head_dims
             from msa_train.parallel.sequence import attach

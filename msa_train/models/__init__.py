@@ -89,7 +89,8 @@ def _set_attn_implementation(model: nn.Module, name: str) -> None:
     model.config._attn_implementation = name
 
 
-def patch_model(model: nn.Module, attention_cfg: Union[AttentionConfig, Mapping[str, Any], None] = None) -> nn.Module:
+def patch_model(model: nn.Module, attention_cfg: Union[AttentionConfig, Mapping[str, Any], None] = None, *,
+                deterministic: bool = False) -> nn.Module:
     """Turn an HF Llama / Qwen2 / Qwen3 causal LM into an msa_train model, in place.
 
     Args:
@@ -97,6 +98,8 @@ def patch_model(model: nn.Module, attention_cfg: Union[AttentionConfig, Mapping[
             including meta).
         attention_cfg: :class:`AttentionConfig` (or a dict of its fields); ``name="full"`` routes
             to varlen dense attention, ``nsa`` / ``fmsa`` / ``auto`` add NSA modules.
+        deterministic: the NSA modules' compressed attention stays on flash_msa's bitwise
+            deterministic Triton kernels (``train.deterministic``), never cuDNN.
 
     Returns:
         The same model. Patching twice with the same config is a no-op.
@@ -117,10 +120,11 @@ def patch_model(model: nn.Module, attention_cfg: Union[AttentionConfig, Mapping[
                              f"{sizes}: its NSA parameters have those shapes; patch a fresh model instead")
         if cfg.is_sparse and not hasattr(attn, "nsa"):
             ref = attn.q_proj.weight
-            attn.nsa = NativeSparseAttention(hidden, num_heads, num_kv_heads, head_dim, impl=cfg.name,
+            attn.nsa = NativeSparseAttention(hidden, num_heads, num_kv_heads, head_dim, impl=cfg.selected_impl,
                                              device=ref.device, dtype=ref.dtype, **sizes)
         if cfg.is_sparse:
-            attn.nsa.requested_impl = cfg.name
+            attn.nsa.requested_impl = cfg.selected_impl
+            attn.nsa.deterministic = deterministic
         if not getattr(attn, _HOOKED, False):
             attn.register_forward_pre_hook(stash_hidden_states, with_kwargs=True)
             setattr(attn, _HOOKED, True)
@@ -134,7 +138,7 @@ def patch_model(model: nn.Module, attention_cfg: Union[AttentionConfig, Mapping[
 
 
 def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: torch.dtype = torch.float32,
-                init_context=None) -> nn.Module:
+                init_context=None, deterministic: bool = False) -> nn.Module:
     """Build (from ``hf_config`` values) or load (from the local ``path``) and patch the model.
 
     Never downloads: ``path`` must be a local directory. ``init_context`` (e.g. ZeRO-3's
@@ -154,7 +158,7 @@ def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: t
             values.pop("model_type", None)
             config = AutoConfig.for_model(model_cfg.model_type, **values)
             model = family_of(config).causal_lm_cls._from_config(config, **{_DTYPE_KW: dtype})
-    patch_model(model, attention_cfg)
+    patch_model(model, attention_cfg, deterministic=deterministic)
     if model_cfg.path is not None:
         _maybe_load_nsa_weights(model, model_cfg.path, attention_cfg)
     return model

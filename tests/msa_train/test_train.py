@@ -249,3 +249,26 @@ def test_model_is_built_on_its_training_device(tmp_path, stage, monkeypatch):
     Trainer(compose(["attention=nsa", "train.steps=1", "train.seq_len=128", f"parallel.zero_stage={stage}",
                      f"train.output_dir={tmp_path}", *FAST]))
     assert seen["devices"] == {seen["want"]}, seen
+
+
+def test_deterministic_setting_reaches_the_nsa_op(tmp_path, monkeypatch):
+    """train.deterministic=true reaches flash_msa.nsa_attention as deterministic=True (compressed
+    attention kept off cuDNN, whose dq is not deterministic); attention=nsa is the query-centric
+    loop order ("qc") end to end."""
+    import flash_msa.nsa as fnsa
+    from msa_train.trainer import Trainer
+
+    seen = []
+    real = fnsa.nsa_attention
+    monkeypatch.setattr(fnsa, "nsa_attention", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    trainer = Trainer(compose(["attention=nsa", "train.deterministic=true", "train.steps=1", "train.seq_len=128",
+                               f"train.output_dir={tmp_path}", *FAST]))
+    modules = [m.nsa for m in trainer.model.modules() if hasattr(m, "nsa")]
+    assert modules and all(m.deterministic and m.requested_impl == "qc" for m in modules)
+    m = modules[0]
+    H, HK, D = m.num_heads, m.num_kv_heads, m.head_dim
+    x = torch.randn(1, 64, m.gate.in_features)
+    q, k, v = torch.randn(1, 64, H, D), torch.randn(1, 64, HK, D), torch.randn(1, 64, HK, D)
+    m.impl = "reference"
+    m(x.to(m.gate.weight.dtype), *(t.to(m.gate.weight.dtype) for t in (q, k, v)))
+    assert seen == [True]

@@ -94,7 +94,7 @@ def peak_mib(fn):
 def check(HQ, HK, D, T, device):
     """Triton NSA (bf16) vs the fp32 reference on the same inputs; top-k sets vs the reference selection."""
     import torch
-    from flash_msa import nsa_attention, reference
+    from flash_msa import nsa_attention, reference, tuning
     from flash_msa.compression.interface import TRITON_BRANCHES as TB
     leaves, do = make_inputs(T, HQ, HK, D, device, seed=1)
     o = call_nsa(nsa_attention, leaves, **SIZES, impl="auto")
@@ -119,12 +119,9 @@ def check(HQ, HK, D, T, device):
     from flash_msa.compression import dense_cmp
     cudnn_names = []
     if dense_cmp.cudnn_supported(leaves[0]):
-        backend, dense_cmp.BACKEND = dense_cmp.BACKEND, "cudnn"
-        try:
+        with tuning.override(dense_cmp=dict(backend="cudnn")):
             o_c = call_nsa(nsa_attention, leaves, **SIZES, impl="auto")
             grads_c = torch.autograd.grad(o_c, leaves, do)
-        finally:
-            dense_cmp.BACKEND = backend
         cudnn_names = [f"cudnn_cmp_{n}" for n in names]
         res.update({n: rel_rms(x, r) for n, x, r in zip(cudnn_names, (o_c, *grads_c), (o_ref, *refs))})
         cudnn_names.remove("cudnn_cmp_dk_cmp_pos")
@@ -162,14 +159,14 @@ def check(HQ, HK, D, T, device):
     return res
 
 
-def parse_globals(text):
-    """"mod.NAME=v,mod.NAME2=v;..." -> variants, each a list of (module path, name, value); values
-    are Python literals (0/1, numbers, True/False, tuples and dicts: commas inside brackets do not
-    separate items)."""
+def parse_settings(text):
+    """"op.name=v,op.name2=v;..." -> variants, each {op: {name: value}} for flash_msa.tuning.override;
+    values are Python literals (0/1, numbers, True/False, tuples and dicts: commas inside brackets
+    do not separate items)."""
     import ast
     out = []
     for var in filter(None, text.split(";")):
-        spec = []
+        spec = {}
         items, depth, cur = [], 0, ""
         for ch in var:
             depth += (ch in "([{") - (ch in ")]}")
@@ -182,32 +179,22 @@ def parse_globals(text):
         for item in filter(None, items):
             path, sep, val = item.partition("=")
             if not sep or "." not in path:
-                raise ValueError(f"--compare-globals: expected module.NAME=value, got {item!r}")
-            mod, name = path.rsplit(".", 1)
-            spec.append((mod, name, ast.literal_eval(val)))
+                raise ValueError(f"--compare-settings: expected op.name=value, got {item!r}")
+            op, name = path.split(".", 1)
+            spec.setdefault(op, {})[name] = ast.literal_eval(val)
         out.append(spec)
     return out
 
 
-def set_globals(spec):
-    """Set module globals, all or none (every name is checked first); returns the spec that
-    restores the old values."""
-    import importlib
-    mods = [importlib.import_module(mod) for mod, _, _ in spec]
-    for m, (mod, name, _) in zip(mods, spec):
-        if not hasattr(m, name):
-            raise AttributeError(f"--compare-globals: {mod} has no global {name}")
-    old = [(mod, name, getattr(m, name)) for m, (mod, name, _) in zip(mods, spec)]
-    for m, (_, name, val) in zip(mods, spec):
-        setattr(m, name, val)
-    return old
+def settings_label(spec):
+    return " ".join(f"{op}.{n}={v}" for op, values in spec.items() for n, v in values.items())
 
 
 def bench_model(name, T, args, device, row):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from flash_msa import nsa_attention
+    from flash_msa import nsa_attention, tuning
     from flash_msa.compression import dense_cmp
     from flash_msa.compression.interface import TRITON_BRANCHES as TB
     from flash_msa.selection.interface import choose_impl, selected_attention
@@ -247,65 +234,52 @@ def bench_model(name, T, args, device, row):
     if args.compare_composed:
         # the same op through one autograd Function per branch and the gates (flash_msa/fused.py
         # replaces them), timed side by side in this run
-        fused, TB.fused = TB.fused, None
-        try:
+        with tuning.override(fused=dict(single_function=False)):
             time_op("composed")
-        finally:
-            TB.fused = fused
 
     if args.compare_local:
         # fmsa's local blocks in the window kernel (flash_msa/fused.py) off, side by side; the
         # outputs and gradients of the two must agree
         from flash_msa import fused as fused_mod
-        on = fused_mod.LOCAL_IN_WINDOW
+        on = tuning.settings("fused", fused_mod.SETTINGS)["local_in_window"]
         row["local_in_window"] = fused_mod.local_in_window(row["selected_impl"], SIZES["slc_block"],
-                                                           SIZES["slc_topk"], SIZES["window"]) and on
+                                                           SIZES["slc_topk"], SIZES["window"])
         ref = outputs()
-        old = set_globals([("flash_msa.fused", "LOCAL_IN_WINDOW", not on)])
-        try:
+        with tuning.override(fused=dict(local_in_window=not on)):
             row["local_toggle_max_rel_rms"] = max_rel_rms(ref)
             del ref
             time_op("local_toggled")
-        finally:
-            set_globals(old)
 
-    if args.compare_globals:
-        # launch-setting / kernel-order variants (module globals), each timed side by side with the
+    if args.compare_settings:
+        # launch-setting / code-path variants (flash_msa.tuning.override), each timed side by side with the
         # shipped settings, whose outputs and gradients it must match; the shipped settings are
         # timed once more after the variants (prefix "shipped_again") to show the order's effect
         # (all checks first, so that the reference outputs are freed before any timing)
         ref = outputs()
         ok = []
-        for i, spec in enumerate(args.globals_variants):
-            row[f"var{i}_spec"] = " ".join(f"{m}.{n}={v}" for m, n, v in spec)
-            old = set_globals(spec)
+        for i, spec in enumerate(args.settings_variants):
+            row[f"var{i}_spec"] = settings_label(spec)
             try:
-                row[f"var{i}_max_rel_rms"] = max_rel_rms(ref)
+                with tuning.override(**spec):
+                    row[f"var{i}_max_rel_rms"] = max_rel_rms(ref)
                 ok.append(i)
             except Exception as e:  # e.g. out of memory or a launch setting that does not compile
                 row[f"var{i}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            finally:
-                set_globals(old)
         del ref
         for i in ok:
-            old = set_globals(args.globals_variants[i])
             try:
-                time_op(f"var{i}")
+                with tuning.override(**args.settings_variants[i]):
+                    time_op(f"var{i}")
             except Exception as e:
                 row[f"var{i}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            finally:
-                set_globals(old)
         time_op("shipped_again")
 
     if args.compare_cmp:
         # the other compressed-attention backend (Triton range kernels / cuDNN), side by side
         other = "cudnn" if row["cmp_backend"] == "triton" else "triton"
         if other == "triton" or dense_cmp.cudnn_supported(q[0]):
-            old = set_globals([("flash_msa.compression.dense_cmp", "BACKEND", other)])
-            try:
+            with tuning.override(dense_cmp=dict(backend=other)):
                 time_op(f"{other}_cmp")
-            finally:
-                set_globals(old)
 
     if T <= args.breakdown_max_t:
         qf, kf, vf = q[0], k[0], v[0]
@@ -456,7 +430,7 @@ def write_markdown(res, path):
                                              f"{r.get('local_toggle_max_rel_rms', float('nan')):.1e}"]) + " |")
     var_rows = [r for r in res["rows"] if r.get("var0_spec")]
     if var_rows:
-        lines += ["", "Variants of module globals against the shipped settings (`--compare-globals`, same run: the "
+        lines += ["", "Variants of launch settings against the shipped ones (`--compare-settings`, same run: the "
                   "shipped settings first, then each variant, then the shipped settings again); max relative RMS of "
                   "the variant's output and gradients against the shipped ones:", "",
                   "| model | T | settings | fwd | f+b | peak | max rel RMS |", "|---|---|---|---|---|---|---|"]
@@ -553,10 +527,9 @@ def main():
                    help="also time the whole op with fmsa's local blocks in the window kernel toggled (flash_msa/fused.py)")
     p.add_argument("--compare-cmp", action="store_true",
                    help="also time the whole op with compressed attention on the other backend (Triton / cuDNN)")
-    p.add_argument("--compare-globals", default="",
-                   help="variants of module globals timed against the shipped settings in the same run, "
-                        "e.g. 'flash_msa.selection.fmsa.SEG_TILES=32;flash_msa.selection.fmsa.BWD_STAGES=2,"
-                        "flash_msa.selection.fmsa.SEG_TILES=32'")
+    p.add_argument("--compare-settings", default="",
+                   help="variants of flash_msa.tuning settings timed against the shipped ones in the same run, "
+                        "e.g. 'fmsa.seg_tiles=32;fmsa.bwd_stages=2,fmsa.seg_tiles=32' (docs/nsa_kernels.md)")
     p.add_argument("--dense-from", default=None,
                    help="take the dense SDPA rows from an earlier nsa_h200.json (same machine kind) instead of re-timing them")
     args = p.parse_args()
@@ -568,11 +541,13 @@ def main():
         return
     import torch
     import triton
+    from flash_msa import tuning
     from flash_msa.utils.validation import trusted_inputs
     # parsed and checked once, before any timing (a bad spec fails here, not after the first row)
-    args.globals_variants = parse_globals(args.compare_globals)
-    for spec in args.globals_variants:
-        set_globals(set_globals(spec))
+    args.settings_variants = parse_settings(args.compare_settings)
+    for spec in args.settings_variants:
+        with tuning.override(**spec):  # unknown ops or settings raise here
+            pass
     os.makedirs(args.out, exist_ok=True)
     device = os.environ.get("BENCH_DEVICE", "cuda")
     RESULTS["meta"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

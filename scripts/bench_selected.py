@@ -1,9 +1,9 @@
-"""Selected-attention benchmark on one GPU: fmsa (KV-block-centric) vs nsa (query-centric).
+"""Selected-attention benchmark on one GPU: fmsa (KV-block-centric) vs qc (query-centric).
 
 For every shape it first checks correctness, then times (at G >= 16 also fla-core's
 parallel_nsa selected attention, when importable, as an outside reference point):
   * at --check-T (default 8K) each kernel against the chunked fp32 reference (o, dq, dk, dv);
-  * at every benchmarked shape, fmsa against nsa (o, dq, dk, dv), before timing them.
+  * at every benchmarked shape, fmsa against qc (o, dq, dk, dv), before timing them.
 Timing: triton.testing.do_bench, median, forward and forward + backward.
 
 Usage (repo root, on the GPU machine):
@@ -22,12 +22,13 @@ import time
 import torch
 import triton
 
+from flash_msa import tuning
 from flash_msa.selection.interface import IMPLS, choose_impl
 from flash_msa.selection.naive import selected_attention_chunked
 from flash_msa.utils.compare import rel_rms
 from flash_msa.utils.varlen import default_cu_seqlens
 
-IMPL_NAMES = ("fmsa", "nsa")
+IMPL_NAMES = ("fmsa", "qc")
 FLA = None  # fla-core selected attention, set in main
 
 
@@ -79,7 +80,7 @@ def fla_selected():
 
 
 def impl_fn(name):
-    return FLA if name == "fla" else IMPLS[name]
+    return FLA if name == "fla" else IMPLS[name].attention
 
 
 def run_impl(name, q, k, v, bi, bs, cu, do, backward=True):
@@ -140,11 +141,11 @@ def bench_shape(T, G, D, S, bs, device, warmup, rep, skip_bwd_over):
     row = {"T": T, "G": G, "HQ": HK * G, "HK": HK, "D": D, "S": S, "block_size": bs,
            "fwd_tflop": flops / 1e12, "auto": choose_impl(q, k, S, bs)}
     with_bwd = T <= skip_bwd_over
-    # correctness at the benchmarked shape: fmsa vs nsa, before any timing
+    # correctness at the benchmarked shape: fmsa vs qc, before any timing
     outs = {n: [x.detach().clone() for x in run_impl(n, q, k, v, bi, bs, cu, do, backward=with_bwd)]
             for n in IMPL_NAMES}
-    row["fmsa_vs_nsa"] = {n: rel_rms(a, b) for n, a, b in zip(("o", "dq", "dk", "dv"), outs["fmsa"], outs["nsa"])}
-    row["check_ok"] = all(e <= 2e-2 for e in row["fmsa_vs_nsa"].values())
+    row["fmsa_vs_qc"] = {n: rel_rms(a, b) for n, a, b in zip(("o", "dq", "dk", "dv"), outs["fmsa"], outs["qc"])}
+    row["check_ok"] = all(e <= 2e-2 for e in row["fmsa_vs_qc"].values())
     names = list(IMPL_NAMES)
     if FLA is not None and G >= 16 and G & (G - 1) == 0:
         try:
@@ -178,9 +179,9 @@ def bench_shape(T, G, D, S, bs, device, warmup, rep, skip_bwd_over):
             q.grad = k.grad = v.grad = None
             row[f"{name}_fwdbwd_extra_mib"] = peak_extra(fb, 2 * o_bytes + 2 * kv_bytes)  # o, dq, dk, dv
             q.grad = k.grad = v.grad = None
-    row["ratio_fwd"] = row["fmsa_fwd_ms"] / row["nsa_fwd_ms"]
+    row["ratio_fwd"] = row["fmsa_fwd_ms"] / row["qc_fwd_ms"]
     if with_bwd:
-        row["ratio_fwdbwd"] = row["fmsa_fwdbwd_ms"] / row["nsa_fwdbwd_ms"]
+        row["ratio_fwdbwd"] = row["fmsa_fwdbwd_ms"] / row["qc_fwdbwd_ms"]
     del q, k, v, do, bi
     torch.cuda.empty_cache()
     return row
@@ -204,18 +205,15 @@ def profile(T, G, D, S, bs, device):
 
 
 def variants(T, G, D, S, bs, device):
-    """fmsa forward and forward+backward under launch-setting and kernel variants (module globals
-    of fmsa; the key "call" holds keyword arguments of the call, such as the partition), each
+    """fmsa forward and forward+backward under launch-setting variants (entries of fmsa's LAUNCH
+    table, set by flash_msa.tuning.override; the key "call" holds keyword arguments of the call,
+    such as the partition), each
     checked against the first variant's outputs (o, dq, dk, dv) before timing, with the peak
     memory it allocates on top of the inputs."""
     from flash_msa.selection import fmsa
     HK = 4 if G == 16 else 8
     q, k, v, do, bi = make_inputs(T, HK, G, D, S, bs, device)
     cu = default_cu_seqlens(1, T, device)
-    names = ("FWD_BM", "FWD_WARPS", "FWD_STAGES", "FWD_TILES", "BWD_BM", "BWD_WARPS", "BWD_STAGES", "SEG_TILES",
-             "PARTIAL_BUDGET", "FWD_MAXNREG", "MERGE_WARPS_SMALL_G", "BWD_MAXNREG",
-             "PARTIAL_BUDGET_PER_TOKEN", "FWD_TMA", "FWD_TMA_STAGES", "BWD_TMA")
-    base = {n: getattr(fmsa, n) for n in names}
     # Timed before: groups of 4 row tiles of one key per forward program (shipped) against 2
     # tiles of any keys (selected_variants4_h200.log); the tile loop without a branch, pipelined
     # by Triton (selected_variants3_h200.log); partitions, segments and other launch settings
@@ -249,49 +247,43 @@ def variants(T, G, D, S, bs, device):
     # (selected_variants16_h200.log; its runs predate TMA as the default).
     # Each query's near blocks (block 0, own - 1, own) by a dense kernel of their own, the forward's
     # schedule skipping them (FWD_NEAR, NEAR_*), no faster: selected_near_h200.log (commit d07b488's).
-    tma = [{"FWD_TMA": False}, {"FWD_TILES": 8}, {"FWD_TILES": 16}, {"FWD_TILES": 2}, {"FWD_MAXNREG": 112},
-           {"FWD_TMA_STAGES": 2}, {"FWD_BM": 128, "FWD_WARPS": 8, "FWD_TILES": 2}]
+    tma = [{"fwd_tma": False}, {"fwd_tiles": 8}, {"fwd_tiles": 16}, {"fwd_tiles": 2}, {"fwd_maxnreg": 112},
+           {"fwd_tma_stages": 2}, {"fwd_bm": 128, "fwd_warps": 8, "fwd_tiles": 2}]
     fwd_variants = [{}, *tma, {}]
-    bwd_variants = [{}, {"FWD_TMA": False, "BWD_TMA": False}, {"FWD_TMA": False}, {"BWD_TMA": False}, {}]
+    bwd_variants = [{}, {"fwd_tma": False, "bwd_tma": False}, {"fwd_tma": False}, {"bwd_tma": False}, {}]
     ref = None
     for kind, vs in (("fwd", fwd_variants), ("fwd+bwd", bwd_variants)):
         for var in vs:
-            for n, x in base.items():
-                setattr(fmsa, n, x)
             call = var.get("call", {})
-            for n, x in var.items():
-                if n != "call":
-                    setattr(fmsa, n, x)
-            run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5, **call)
+            run = lambda: IMPLS["fmsa"].attention(q, k, v, bi, bs, cu, D ** -0.5, **call)
             fb_fn = lambda: run().backward(do)
-            try:
-                o = run()
-                got = (o, *torch.autograd.grad(o, (q, k, v), do))
-                if ref is None:
-                    ref = got
-                err = max(rel_rms(a, b) for a, b in zip(got, ref))
-                del o, got
-                if kind == "fwd":
-                    with torch.no_grad():
-                        mem = peak_extra(run, q.numel() * q.element_size())  # less the output
-                        ms = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
-                else:
-                    mem = peak_extra(fb_fn, 2 * q.numel() * q.element_size() + 2 * k.numel() * k.element_size())  # o, dq, dk, dv
-                    q.grad = k.grad = v.grad = None
-                    ms = triton.testing.do_bench(fb_fn, warmup=5, rep=20, grad_to_none=[q, k, v], return_mode="median")
-                print(f"variant T={T} G={G} {kind} {var or 'default'}: {ms:.2f} ms, peak extra {mem:.0f} MiB "
-                      f"(max rel RMS vs first {err:.1e})", flush=True)
-            except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
-                print(f"variant T={T} G={G} {kind} {var or 'default'}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-    for n, x in base.items():
-        setattr(fmsa, n, x)
+            with tuning.override(fmsa={n: x for n, x in var.items() if n != "call"}):
+                try:
+                    o = run()
+                    got = (o, *torch.autograd.grad(o, (q, k, v), do))
+                    if ref is None:
+                        ref = got
+                    err = max(rel_rms(a, b) for a, b in zip(got, ref))
+                    del o, got
+                    if kind == "fwd":
+                        with torch.no_grad():
+                            mem = peak_extra(run, q.numel() * q.element_size())  # less the output
+                            ms = triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
+                    else:
+                        mem = peak_extra(fb_fn, 2 * q.numel() * q.element_size() + 2 * k.numel() * k.element_size())  # o, dq, dk, dv
+                        q.grad = k.grad = v.grad = None
+                        ms = triton.testing.do_bench(fb_fn, warmup=5, rep=20, grad_to_none=[q, k, v], return_mode="median")
+                    print(f"variant T={T} G={G} {kind} {var or 'default'}: {ms:.2f} ms, peak extra {mem:.0f} MiB "
+                          f"(max rel RMS vs first {err:.1e})", flush=True)
+                except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
+                    print(f"variant T={T} G={G} {kind} {var or 'default'}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
     # CSR build alone (part of the forward)
     from flash_msa.utils.csr import build_selection_csr, prepare_block_meta, tile_schedule
     meta = prepare_block_meta(cu, T, bs)
     Tc, heads = fmsa.default_partition(T, HK * G, HK, S, D, 2)
     ms = triton.testing.do_bench(lambda: build_selection_csr(bi[0], meta, Tc), warmup=5, rep=20, return_mode="median")
     csr = build_selection_csr(bi[0], meta, Tc)
-    ms2 = triton.testing.do_bench(lambda: tile_schedule(csr, G, fmsa.FWD_BM), warmup=5, rep=20, return_mode="median")
+    ms2 = triton.testing.do_bench(lambda: tile_schedule(csr, G, fmsa.LAUNCH["fwd_bm"]), warmup=5, rep=20, return_mode="median")
     ms3 = triton.testing.do_bench(lambda: prepare_block_meta(cu, T, bs), warmup=5, rep=20, return_mode="median")
     print(f"T={T} G={G}: build_selection_csr {ms:.2f} ms, tile_schedule {ms2:.2f} ms, prepare_block_meta {ms3:.2f} ms, "
           f"chunk {Tc}, KV heads per partition {heads}", flush=True)
@@ -316,7 +308,7 @@ def partition_probe(T, G, D, S, bs, device, chunks):
     cu = default_cu_seqlens(1, T, device)
     ref = None
     for chunk in chunks:
-        run = lambda: IMPLS["fmsa"](q, k, v, bi, bs, cu, D ** -0.5, chunk_size=chunk, heads=1)
+        run = lambda: IMPLS["fmsa"].attention(q, k, v, bi, bs, cu, D ** -0.5, chunk_size=chunk, heads=1)
         o = run()
         got = (o, *torch.autograd.grad(o, (q, k, v), do))
         ref = ref or got
@@ -363,30 +355,30 @@ def fmt(x, spec=".2f"):
 
 def write_markdown(rows, path, header):
     lines = [header, "",
-             "| T | G | HQ/HK | fmsa fwd ms | nsa fwd ms | fmsa fwd TFLOP/s | nsa fwd TFLOP/s | fwd fmsa/nsa "
-             "| fmsa f+b ms | nsa f+b ms | f+b fmsa/nsa | fmsa extra MiB (f / f+b) | nsa extra MiB (f / f+b) | auto | check |",
+             "| T | G | HQ/HK | fmsa fwd ms | qc fwd ms | fmsa fwd TFLOP/s | qc fwd TFLOP/s | fwd fmsa/qc "
+             "| fmsa f+b ms | qc f+b ms | f+b fmsa/qc | fmsa extra MiB (f / f+b) | qc extra MiB (f / f+b) | auto | check |",
              "|---" * 15 + "|"]
     for r in rows:
         if not r["check_ok"]:
             lines.append(f"| {r['T'] // 1024}K | {r['G']} | {r['HQ']}/{r['HK']} |" + " - |" * 10 + f" {r['auto']} | FAIL |")
             continue
         lines.append(
-            f"| {r['T'] // 1024}K | {r['G']} | {r['HQ']}/{r['HK']} | {fmt(r['fmsa_fwd_ms'])} | {fmt(r['nsa_fwd_ms'])} "
-            f"| {fmt(r['fmsa_fwd_tflops'], '.0f')} | {fmt(r['nsa_fwd_tflops'], '.0f')} | {fmt(r['ratio_fwd'])} "
-            f"| {fmt(r.get('fmsa_fwdbwd_ms'))} | {fmt(r.get('nsa_fwdbwd_ms'))} | {fmt(r.get('ratio_fwdbwd'))} "
+            f"| {r['T'] // 1024}K | {r['G']} | {r['HQ']}/{r['HK']} | {fmt(r['fmsa_fwd_ms'])} | {fmt(r['qc_fwd_ms'])} "
+            f"| {fmt(r['fmsa_fwd_tflops'], '.0f')} | {fmt(r['qc_fwd_tflops'], '.0f')} | {fmt(r['ratio_fwd'])} "
+            f"| {fmt(r.get('fmsa_fwdbwd_ms'))} | {fmt(r.get('qc_fwdbwd_ms'))} | {fmt(r.get('ratio_fwdbwd'))} "
             f"| {fmt(r['fmsa_fwd_extra_mib'], '.0f')} / {fmt(r.get('fmsa_fwdbwd_extra_mib'), '.0f')} "
-            f"| {fmt(r['nsa_fwd_extra_mib'], '.0f')} / {fmt(r.get('nsa_fwdbwd_extra_mib'), '.0f')} "
+            f"| {fmt(r['qc_fwd_extra_mib'], '.0f')} / {fmt(r.get('qc_fwdbwd_extra_mib'), '.0f')} "
             f"| {r['auto']} | {'ok' if r['check_ok'] else 'FAIL'} |")
     fla_rows = [r for r in rows if r.get("fla_fwd_ms") is not None]
     if fla_rows:
         lines += ["", "fla-core `parallel_nsa` selected attention (query-centric, G >= 16 only), same inputs, "
                   "checked against fmsa before timing:", "",
-                  "| T | G | HQ/HK | fla fwd ms | fla f+b ms | fmsa fwd ms | fmsa f+b ms | nsa fwd ms | nsa f+b ms |",
+                  "| T | G | HQ/HK | fla fwd ms | fla f+b ms | fmsa fwd ms | fmsa f+b ms | qc fwd ms | qc f+b ms |",
                   "|---" * 9 + "|"]
         for r in fla_rows:
             lines.append(f"| {r['T'] // 1024}K | {r['G']} | {r['HQ']}/{r['HK']} | {fmt(r['fla_fwd_ms'])} "
                          f"| {fmt(r.get('fla_fwdbwd_ms'))} | {fmt(r['fmsa_fwd_ms'])} | {fmt(r.get('fmsa_fwdbwd_ms'))} "
-                         f"| {fmt(r['nsa_fwd_ms'])} | {fmt(r.get('nsa_fwdbwd_ms'))} |")
+                         f"| {fmt(r['qc_fwd_ms'])} | {fmt(r.get('qc_fwdbwd_ms'))} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -405,7 +397,7 @@ def plot(rows, path):
         rs = sorted((r for r in rows if r["G"] == G and r["check_ok"]), key=lambda r: r["T"])
         Ts = [r["T"] for r in rs]
         line, = axes[0].plot(Ts, [r["fmsa_fwd_ms"] for r in rs], "o-", label=f"fmsa G={G}")
-        axes[0].plot(Ts, [r["nsa_fwd_ms"] for r in rs], "x--", color=line.get_color(), label=f"nsa G={G}")
+        axes[0].plot(Ts, [r["qc_fwd_ms"] for r in rs], "x--", color=line.get_color(), label=f"qc G={G}")
         rb = [r for r in rs if r.get("ratio_fwdbwd") is not None]
         axes[1].plot([r["T"] for r in rs], [r["ratio_fwd"] for r in rs], "o-", color=line.get_color(), label=f"fwd G={G}")
         axes[1].plot([r["T"] for r in rb], [r["ratio_fwdbwd"] for r in rb], "x--", color=line.get_color(), label=f"f+b G={G}")
@@ -417,8 +409,8 @@ def plot(rows, path):
     axes[0].set_ylabel("forward ms (median)")
     axes[0].set_title("selected attention forward, H200 bf16, D=128, l'=64, n=16")
     axes[1].axhline(1.0, color="k", lw=0.8)
-    axes[1].set_ylabel("time fmsa / nsa (< 1: fmsa faster)")
-    axes[1].set_title("fmsa / nsa")
+    axes[1].set_ylabel("time fmsa / qc (< 1: fmsa faster)")
+    axes[1].set_title("fmsa / qc")
     axes[0].legend(fontsize=6, ncol=2)
     axes[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
@@ -437,7 +429,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rep", type=int, default=40)
     ap.add_argument("--skip-bwd-over", type=int, default=1 << 30, help="time only the forward above this T")
-    ap.add_argument("--profile", default="", help="T,G: print a torch.profiler kernel table of fmsa and nsa fwd+bwd, then exit")
+    ap.add_argument("--profile", default="", help="T,G: print a torch.profiler kernel table of fmsa and qc fwd+bwd, then exit")
     ap.add_argument("--variants", default="", help="T,G: time fmsa launch-setting variants, then exit")
     ap.add_argument("--partitions", default="", help="T,G,chunk,chunk,...: the L2 probe of partition sizes, then exit")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core's parallel_nsa at G >= 16")
@@ -486,14 +478,14 @@ def main():
                 continue
             rows.append(r)
             if not r["check_ok"]:
-                print(f"T={T} G={G}: fmsa and nsa disagree, not timed: {r['fmsa_vs_nsa']}", flush=True)
+                print(f"T={T} G={G}: fmsa and qc disagree, not timed: {r['fmsa_vs_qc']}", flush=True)
                 continue
             print(f"T={T:>7} G={G:>2}: fmsa fwd {r['fmsa_fwd_ms']:8.2f} ms ({r['fmsa_fwd_tflops']:5.0f} TF/s) "
-                  f"nsa fwd {r['nsa_fwd_ms']:8.2f} ms | f+b fmsa {fmt(r.get('fmsa_fwdbwd_ms')):>8} "
-                  f"nsa {fmt(r.get('nsa_fwdbwd_ms')):>8} | ratio fwd {r['ratio_fwd']:.2f} "
+                  f"qc fwd {r['qc_fwd_ms']:8.2f} ms | f+b fmsa {fmt(r.get('fmsa_fwdbwd_ms')):>8} "
+                  f"qc {fmt(r.get('qc_fwdbwd_ms')):>8} | ratio fwd {r['ratio_fwd']:.2f} "
                   f"f+b {fmt(r.get('ratio_fwdbwd'))} | extra MiB fmsa {r['fmsa_fwd_extra_mib']:.0f}/"
                   f"{fmt(r.get('fmsa_fwdbwd_extra_mib'), '.0f')} | auto {r['auto']} | "
-                  f"check {'ok' if r['check_ok'] else 'FAIL ' + str(r['fmsa_vs_nsa'])}", flush=True)
+                  f"check {'ok' if r['check_ok'] else 'FAIL ' + str(r['fmsa_vs_qc'])}", flush=True)
             with open(os.path.join(args.out, "selected_h200.json"), "w") as f:
                 json.dump({"device": dev, "torch": torch.__version__, "triton": triton.__version__,
                            "args": vars(args), "reference_checks": checks, "rows": rows}, f, indent=1)

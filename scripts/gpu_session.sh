@@ -61,14 +61,14 @@ for stage in $stages; do
       timeout 330 python3 scripts/tune_nsa.py --out "$OUT" --Ts 65536,262144 --models llama3_8b > "$OUT/tune.log" 2>&1
       mkdir -p "$OUT/qwen"
       timeout 90 python3 scripts/tune_nsa.py --out "$OUT/qwen" --Ts 65536 --models qwen3_14b --ops topk >> "$OUT/tune.log" 2>&1 ;;
-    variants)  # kernel variants side by side at 64K: fmsa launch settings (module globals of
-               # fmsa.py), then the top-n kernel's launch settings and sort networks (Llama3-8B, then Qwen3-14B)
+    variants)  # kernel variants side by side at 64K: fmsa launch settings (flash_msa.tuning overrides of
+               # fmsa's LAUNCH table), then the top-n kernel's launch settings and sort networks (Llama3-8B, then Qwen3-14B)
       timeout 240 python3 scripts/bench_selected.py --out "$OUT/variants" --variants "65536,4;65536,5" --no-fla 2>&1 | tee "$OUT/selected_variants.log"
       mkdir -p "$OUT/topk" "$OUT/topk_qwen"
       timeout 150 python3 scripts/tune_nsa.py --out "$OUT/topk" --Ts 65536,262144 --models llama3_8b --ops topk > "$OUT/topk.log" 2>&1
       timeout 60 python3 scripts/tune_nsa.py --out "$OUT/topk_qwen" --Ts 65536 --models qwen3_14b --ops topk >> "$OUT/topk.log" 2>&1
       tail -40 "$OUT/topk.log" ;;
-    selected)  # G=4, 5 (the targets) and 16 (with fla-core) at 64K; then fmsa vs nsa forward at 1M tokens, G=4
+    selected)  # G=4, 5 (the targets) and 16 (with fla-core) at 64K; then fmsa vs qc (query-centric) forward at 1M tokens, G=4
       timeout 240 python3 scripts/bench_selected.py --out "$OUT" --Ts 65536 --Gs 4,5,16 --check-T 4096 2>&1 | tail -20 | tee "$OUT/selected.log"
       mkdir -p "$OUT/sel1m"
       timeout 120 python3 scripts/bench_selected.py --out "$OUT/sel1m" --Ts 1048576 --Gs 4 --check-T 2048 \

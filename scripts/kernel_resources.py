@@ -71,7 +71,8 @@ def cases():
     settings at T = 64K (T, Tk and the first token of a chunk are multiples of 16 there)."""
     from flash_msa import gates
     from flash_msa.compression import compress, topk
-    from flash_msa.selection import fmsa, nsa
+    from flash_msa.selection import fmsa
+    from flash_msa.selection import qc
     from flash_msa.window import window as w
     B, F, I = "*bf16", "*fp32", "*i32"
     out = []
@@ -101,37 +102,38 @@ def cases():
     for G in (4, 5):
         HQ = 8 * G
         _, HKG = fmsa.default_partition(65536, HQ, 8, 16, 128, 2)
+        cfg = fmsa.launch_settings()
         for tma in (False, True):  # partials by TMA bulk copies in key order (FWD_TMA), or row stores
-            po = f"tensordesc<bf16[{fmsa.FWD_BM}, 128]>" if tma else B
+            po = f"tensordesc<bf16[{cfg['fwd_bm']}, 128]>" if tma else B
             sig = dict(q=B, k=B, v=B, po=po, plse=F, pidx=I, key_rows="*i64", entry_ids=I, key_offsets=I, tile_key=I, tile_first=I,
                        block_start=I, block_end=I, k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32")
             out.append((f"fmsa_fwd{' tma' if tma else ''} G={G}", fmsa.fmsa_fwd_kernel, sig,
-                        dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=fmsa.FWD_BM, NT=fmsa.FWD_TILES, HKG=HKG,
+                        dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=cfg["fwd_bm"], NT=cfg["fwd_tiles"], HKG=HKG,
                              TMA=tma),
                         ("c0",),
-                        dict(num_warps=fmsa.FWD_WARPS, num_stages=fmsa._fwd_stages(tma, 64, 128),
-                             **({"maxnreg": fmsa.FWD_MAXNREG} if fmsa.FWD_MAXNREG else {}))))
+                        dict(num_warps=cfg["fwd_warps"], num_stages=fmsa._fwd_stages(cfg, tma, 64, 128),
+                             **({"maxnreg": cfg["fwd_maxnreg"]} if cfg["fwd_maxnreg"] else {}))))
         sig = dict(po=B, plse=F, pidx=I, o=B, lse=F, block_indices=I, tok_start=I, c0="i64", hk0="i32", T="i32")
         for local, tma in ((0, False), (2, False), (0, True)):  # local: the whole op's (fused.py)
             out.append((f"fmsa_merge{' local' if local else ''}{' tma' if tma else ''} G={G}", fmsa.fmsa_merge_kernel,
                         sig, dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=fmsa._reduce_rows(G), BSS=16, HKG=HKG,
-                                  LOCAL=local, TMA=tma), ("T",), dict(num_warps=fmsa._merge_warps(G))))
-        BM = fmsa._bwd_tile_rows(128, 64)
+                                  LOCAL=local, TMA=tma), ("T",), dict(num_warps=fmsa._merge_warps(cfg, G))))
+        BM = fmsa._bwd_tile_rows(cfg, 128, 64)
         for tma in (False, True):  # dq parts by TMA bulk copies in key order (BWD_TMA), or row stores
             dqp = f"tensordesc<bf16[{BM}, 128]>" if tma else B
             sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dk=F, dv=F, dkp=F, dvp=F, dqp=dqp, pidx=I, key_rows="*i64",
                        entry_ids=I, key_offsets=I, seg_key=I, seg_first=I, slot_first=I, block_start=I, block_end=I,
                        k_lo="i32", c0="i32", hk0="i32", NB="i32", scale2="fp32", scale="fp32")
             out.append((f"fmsa_bwd_dkdv{' tma' if tma else ''} G={G}", fmsa.fmsa_bwd_dkdv_kernel, sig,
-                        dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=BM, SEG=fmsa.SEG_TILES * BM, WRITE_DQ=True,
-                             HKG=HKG, TMA=tma), ("c0",), dict(num_warps=fmsa.BWD_WARPS, num_stages=fmsa.BWD_STAGES)))
+                        dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BM=BM, SEG=cfg["seg_tiles"] * BM, WRITE_DQ=True,
+                             HKG=HKG, TMA=tma), ("c0",), dict(num_warps=cfg["bwd_warps"], num_stages=cfg["bwd_stages"])))
         sig = dict(q=B, k=B, v=B, o=B, lse=F, block_indices=I, tok_start=I, scale2="fp32")
-        nsa_opts = dict(num_warps=4, num_stages=nsa._stages(64, 128))
-        out.append((f"nsa_fwd G={G}", nsa.nsa_fwd_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G)), (), nsa_opts))
+        qc_opts = dict(num_warps=4, num_stages=qc._stages(64, 128))
+        out.append((f"qc_fwd G={G}", qc.qc_fwd_kernel, sig,
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=qc._group_rows(G)), (), qc_opts))
         sig = dict(q=B, k=B, v=B, do=B, lse=F, delta=F, dq=B, block_indices=I, tok_start=I, scale2="fp32", scale="fp32")
-        out.append((f"nsa_bwd_dq G={G}", nsa.nsa_bwd_dq_kernel, sig,
-                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=nsa._group_rows(G), ACC=False), (), nsa_opts))
+        out.append((f"qc_bwd_dq G={G}", qc.qc_bwd_dq_kernel, sig,
+                    dict(HQ=HQ, HK=8, G=G, S=16, D=128, BS=64, BG=qc._group_rows(G), ACC=False), (), qc_opts))
         sig = dict(q=B, k=B, lse=F, cu=I, cu_cmp=I, tile_seq=I, tile_t0=I, out=I, scale2="fp32")
         cfg = topk._launch(torch.device("cuda"))
         shipped = cfg.get("tl_sort", False)

@@ -91,7 +91,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, default=65536)
     ap.add_argument("--model", default="llama3_8b", choices=sorted(MODELS))
-    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--impl", default="auto", choices=("auto", "fmsa", "qc", "reference"))
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--table", action="store_true", help="print a torch.profiler kernel table of one iteration")
     ap.add_argument("--by-op", action="store_true", help="print the PyTorch ops of one iteration by calling line")

@@ -21,6 +21,7 @@ Writes OUTDIR/tune_h200.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -29,7 +30,26 @@ import time
 import torch
 import triton
 
+from flash_msa import tuning
 from flash_msa.utils.compare import rel_rms
+
+
+class _Candidate:
+    """The launch settings of the candidate being timed: one flash_msa.tuning.override, replaced by
+    each ``set`` and ended by ``clear`` (the shipped tables apply again)."""
+
+    def __init__(self):
+        self._stack = contextlib.ExitStack()
+
+    def set(self, **ops):
+        self._stack.close()
+        self._stack.enter_context(tuning.override(**ops))
+
+    def clear(self):
+        self._stack.close()
+
+
+CURRENT = _Candidate()
 
 MODELS = {"llama3_8b": (32, 8, 128), "qwen3_14b": (40, 8, 128)}
 L, STRIDE, SLC, TOPK, WINDOW = 32, 16, 64, 16, 512
@@ -88,7 +108,7 @@ def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit, local=None):
     from flash_msa.window import window as w
     lo, hi, qlo, qhi = ranges
     op = kind if local is None else f"{kind}_local"
-    w.TILE_OVERRIDE = {}
+    CURRENT.clear()
 
     def fwd():
         if local is None:
@@ -116,7 +136,7 @@ def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit, local=None):
         if kernel not in args.range_kernels.split(","):
             continue
         for cand in cands:
-            w.TILE_OVERRIDE = {kernel: cand}
+            CURRENT.set(range_attention={kernel: cand})
             name = f"BM={cand[0]} BN={cand[1]} warps={cand[2]['num_warps']} stages={cand[2]['num_stages']}"
             name += "".join(f" {n}={int(v)}" for n, v in cand[2].items() if n.isupper())
             try:
@@ -130,15 +150,15 @@ def sweep_range(kind, q, kk, vv, do, ranges, scale, args, emit, local=None):
                 emit(dict(op=f"{op}_{kernel}", config=name, ms=ms, err=err))
             except Exception as e:  # a candidate that does not compile (shared memory) is reported, not fatal
                 emit(dict(op=f"{op}_{kernel}", config=name, ms=None, err=None, error=f"{type(e).__name__}: {str(e)[:160]}"))
-    w.TILE_OVERRIDE = {}
+    CURRENT.clear()
 
 
 def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
     from flash_msa.compression import topk
-    topk.LAUNCH_OVERRIDE = {}
+    CURRENT.clear()
     ref = topk.select_blocks(q, k_cmp, lse, cu, cu_cmp, L, STRIDE, SLC, TOPK, scale)
     for cand in TOPK_CANDIDATES:
-        topk.LAUNCH_OVERRIDE = dict(cand or {})
+        CURRENT.set(topk=dict(cand or {}))
         name = "shipped" if cand is None else (f"BT={cand['BT']} "
                                                f"warps={cand['opts']['num_warps']} stages={cand['opts']['num_stages']}"
                                                + (" tl_sort" if cand.get("tl_sort") else " own-sort")
@@ -155,21 +175,21 @@ def sweep_topk(q, k_cmp, lse, cu, cu_cmp, scale, args, emit):
             emit(dict(op="topk", config=name, ms=bench(fn, args) if same >= 0.999 else None, rows_identical=same))
         except Exception as e:
             emit(dict(op="topk", config=name, ms=None, error=f"{type(e).__name__}: {str(e)[:160]}"))
-    topk.LAUNCH_OVERRIDE = {}
+    CURRENT.clear()
 
 
-COMPRESS_CANDIDATES = [None,  # the shipped settings; keys in upper case set module globals of compress.py
+COMPRESS_CANDIDATES = [None,  # the shipped settings; entries of the compress table (flash_msa.tuning)
                        dict(fwd=(64, dict(num_warps=8, num_stages=2))),
                        dict(prep=(32, dict(num_warps=4, num_stages=1))),
                        dict(dx=(64, dict(num_warps=8, num_stages=2))),
                        dict(dx=(64, dict(num_warps=4, num_stages=1))),
                        dict(dw=(32, dict(num_warps=4, num_stages=2))),
-                       dict(DW_MAX_SPLITS=1),  # dW / dproj in one pass over the rows (before the splits)
-                       dict(DW_MAX_SPLITS=8),
-                       dict(DW_MAX_SPLITS=8, dw=(32, dict(num_warps=4, num_stages=2))),
+                       dict(dw_max_splits=1),  # dW / dproj in one pass over the rows (before the splits)
+                       dict(dw_max_splits=8),
+                       dict(dw_max_splits=8, dw=(32, dict(num_warps=4, num_stages=2))),
                        dict(dw=(64, dict(num_warps=8, num_stages=3))),
-                       dict(DW_SPLIT_ROWS=2048),
-                       dict(DW_SPLIT_ROWS=512, DW_MAX_SPLITS=8)]
+                       dict(dw_split_rows=2048),
+                       dict(dw_split_rows=512, dw_max_splits=8)]
 
 
 def sweep_compress(k, wk, pos, proj, cu, args, emit):
@@ -188,25 +208,20 @@ def sweep_compress(k, wk, pos, proj, cu, args, emit):
     ref = run(reference.compress_kv, [x.detach().float().requires_grad_() for x in leaves])
 
     def label(c):
-        return " ".join(f"{n}={v}" if n.isupper() else f"{n}:BC={v[0]} w{v[1]['num_warps']} s{v[1]['num_stages']}"
+        return " ".join(f"{n}={v}" if n.startswith("dw_") else f"{n}:BC={v[0]} w{v[1]['num_warps']} s{v[1]['num_stages']}"
                         for n, v in c.items())
-    shipped_globals = {n: getattr(compress, n) for c in COMPRESS_CANDIDATES if c for n in c if n.isupper()}
     fn = compress.compress_kv
     for cand in COMPRESS_CANDIDATES:
         name = "shipped" if cand is None else label(cand)
         cand = cand or {}
-        compress.TILE_OVERRIDE = {n: v for n, v in cand.items() if not n.isupper()}
-        for n, v in shipped_globals.items():
-            setattr(compress, n, cand.get(n, v))
+        CURRENT.set(compress=cand)
         try:
             got = run(fn, leaves)
             err = max(rel_rms(a.float(), b) for a, b in zip(got, ref))
             emit(dict(op="compress", config=name, ms=bench(lambda: run(fn, leaves), args), err=err))
         except Exception as e:
             emit(dict(op="compress", config=name, ms=None, err=None, error=f"{type(e).__name__}: {str(e)[:160]}"))
-    compress.TILE_OVERRIDE = {}
-    for n, v in shipped_globals.items():
-        setattr(compress, n, v)
+    CURRENT.clear()
 
 
 def profile_compress(k, wk, pos, proj, cu):

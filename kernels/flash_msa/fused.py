@@ -48,8 +48,9 @@ from flash_msa.window.window import local_ranges, range_attention_bwd, range_att
 
 # Settings of op "fused" (flash_msa.tuning). local_in_window: selected attention's local blocks in
 # the window kernel (module docstring); scripts/bench_nsa.py --compare-local times it off, through
-# flash_msa.tuning.override(fused=dict(local_in_window=False)).
-SETTINGS = MappingProxyType(dict(local_in_window=True))
+# flash_msa.tuning.override(fused=dict(local_in_window=False)). single_function: the branches and
+# gates as this one Function; False runs one Function per branch (--compare-composed).
+SETTINGS = MappingProxyType(dict(local_in_window=True, single_function=True))
 tuning.register("fused", SETTINGS)
 LOCAL_BLOCKS = 2  # the own block and the one before: what select_blocks forces besides block 0
 
@@ -66,7 +67,7 @@ def fused_impl(q: torch.Tensor, k: torch.Tensor, slc_block: int, slc_topk: int, 
     """``impl`` (resolved: flash_msa.selection.interface.resolve_impl) when the fused op runs it: a
     Triton loop order whose kernels take the shape; else None, and the composed path runs."""
     entry = IMPLS.get(impl)
-    if entry is None or entry.forward is None:
+    if entry is None or entry.forward is None or not tuning.settings("fused", SETTINGS)["single_function"]:
         return None
     return impl if _fmsa.kernel_limits_error(q, slc_topk) is None else None
 

@@ -50,7 +50,7 @@ def test_compress_topk_dense_cmp_fused_tables_are_the_tuned_ones():
     assert topk._launch(torch.device("cpu")) == dict(BT=64, key32=True, pair=True, opts={})
     assert dict(dense_cmp.SETTINGS) == dict(backend="auto", min_groups=2000, offsets_per_call=4, chunks=None)
     assert dense_cmp.chunk_count(16) == 4
-    assert dict(fused.SETTINGS) == dict(local_in_window=True)
+    assert dict(fused.SETTINGS) == dict(local_in_window=True, single_function=True)
     assert fused.local_in_window("fmsa", 64, 16, 512) and not fused.local_in_window("qc", 64, 16, 512)
 
 

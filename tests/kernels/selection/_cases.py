@@ -46,12 +46,16 @@ def seq_starts(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def random_indices(T, HK, S, block_size, cu_seqlens, *, beyond_causal=True, gen=None) -> torch.Tensor:
-    """Distinct, unsorted entries with -1 anywhere; some entries past the query's own block."""
+    """Distinct, unsorted entries with -1 anywhere; some entries past the query's own block (blocks
+    of its sequence: the interface rejects entries past the sequence's last block)."""
     start = seq_starts(cu_seqlens, T)
+    cu = cu_seqlens.long().cpu()
+    end = cu[1:][torch.searchsorted(cu[1:], torch.arange(T), right=True)]
     out = torch.full((T, HK, S), -1, dtype=torch.int32)
     for t in range(T):
         own = (t - int(start[t])) // block_size
-        hi = own + 1 + (2 if beyond_causal else 0)  # up to 2 blocks past the causal limit
+        n_blocks = -(-int(end[t] - start[t]) // block_size)
+        hi = min(n_blocks, own + 1 + (2 if beyond_causal else 0))  # up to 2 blocks past the causal limit
         for h in range(HK):
             perm = torch.randperm(hi, generator=gen)[:S]
             slots = torch.randperm(S, generator=gen)[:len(perm)]
@@ -75,7 +79,7 @@ def make_case(T, HK, G, D, S, block_size, device, *, cu_seqlens: Optional[list] 
 
 def run(impl: str, c: Case, **kwargs):
     """(o, dq, dk, dv) of one implementation."""
-    o = IMPLS[impl](c.q, c.k, c.v, c.block_indices, c.block_size, c.cu_seqlens, c.scale, **kwargs)
+    o = IMPLS[impl].attention(c.q, c.k, c.v, c.block_indices, c.block_size, c.cu_seqlens, c.scale, **kwargs)
     dq, dk, dv = torch.autograd.grad(o, (c.q, c.k, c.v), c.do)
     return o, dq, dk, dv
 

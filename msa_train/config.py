@@ -212,6 +212,10 @@ class RootConfig:
         if self.train.seq_len % self.parallel.sp_degree != 0:
             raise ValueError(f"train.seq_len={self.train.seq_len} must be divisible by parallel.sp_degree="
                              f"{self.parallel.sp_degree}")
+        heads = self.model.hf_config.get("num_attention_heads") if self.model.path is None else None
+        if self.parallel.sp_degree > 1 and heads is not None:  # a model.path's heads: checked by the trainer
+            from msa_train.parallel.sequence import head_layout
+            head_layout(heads, self.model.hf_config.get("num_key_value_heads") or heads, self.parallel.sp_degree)
         dpo, pairs = self.train.objective == "dpo", getattr(self.data, "format", None) == "preference"
         if dpo != pairs:
             raise ValueError("train.objective=dpo and data.format=preference go together: DPO trains on preference "

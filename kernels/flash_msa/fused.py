@@ -74,7 +74,7 @@ def fused_impl(q: torch.Tensor, k: torch.Tensor, slc_block: int, slc_topk: int, 
 class NSAAttentionFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, sizes, scale, impl, dense):
+    def forward(ctx, q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, sizes, scale, impl, dense, gather_group):
         cmp_block, cmp_stride, slc_block, slc_topk, window = sizes
         q, k, v, k_cmp, v_cmp, gates = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates))
         T = q.shape[0]
@@ -85,7 +85,9 @@ class NSAAttentionFunction(torch.autograd.Function):
         else:
             cr = per_batch(compressed_ranges, cu, cu_cmp, T, k_cmp.shape[0], cmp_block, cmp_stride)
             o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, cr[0], cr[1], scale, "cmp")
-        idx = select_blocks(q, k_cmp, lse_cmp, cu, cu_cmp, cmp_block, cmp_stride, slc_block, slc_topk, scale)
+        q_sel, lse_sel = (q, lse_cmp) if gather_group is None else gather_group(q, lse_cmp)  # nsa_attention's
+        idx = select_blocks(q_sel, k_cmp, lse_sel, cu, cu_cmp, cmp_block, cmp_stride, slc_block, slc_topk, scale)
+        del q_sel, lse_sel
         lr = None
         if local_in_window(impl, slc_block, slc_topk, window):
             lr = per_batch(local_ranges, cu, T, slc_block)
@@ -120,16 +122,18 @@ class NSAAttentionFunction(torch.autograd.Function):
         dq, dk, dv = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
                                          delta=delta[2], dq=dq, local=local)
         dq, dk, dv = _SELECTED[ctx.impl][1](q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq, dkv=(dk, dv))
-        return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None, None
+        return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None, None, None
 
 
 def nsa_attention_fused(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, cmp_block: int, cmp_stride: int, slc_block: int,
                         slc_topk: int, window: int, scale: float, impl: str,
-                        uniform: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                        uniform: Optional[tuple[int, int]] = None, gather_group=None) -> torch.Tensor:
     """The gated sum of the three branches on one packed stream ([T, H, D]; k_cmp / v_cmp packed
     compressed rows, cu_cmp their offsets), ``impl`` from :func:`fused_impl`. ``uniform`` = (B, L)
     when the stream holds B sequences of L tokens each (then compressed attention may run on
-    cuDNN: compression/dense_cmp.py). Differentiable in q, k, v, k_cmp, v_cmp and gates."""
+    cuDNN: compression/dense_cmp.py); ``gather_group`` as in :func:`flash_msa.nsa.nsa_attention`.
+    Differentiable in q, k, v, k_cmp, v_cmp and gates."""
     dense = dense_layout(q, uniform, cmp_block, cmp_stride)
     return NSAAttentionFunction.apply(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp,
-                                      (cmp_block, cmp_stride, slc_block, slc_topk, window), scale, impl, dense)
+                                      (cmp_block, cmp_stride, slc_block, slc_topk, window), scale, impl, dense,
+                                      gather_group)

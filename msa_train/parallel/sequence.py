@@ -8,7 +8,7 @@ into head-sharded ``[B, T, H/P, D]``: each rank attends over the whole sequence 
 query heads, and a second all-to-all brings the output back to the rank's tokens. This is the
 DeepSpeed-Ulysses scheme.
 
-Heads (:func:`head_layout`): P must divide the query heads HQ. When it also divides the KV heads
+Heads (:func:`head_layout`, defined with the config's validation): P must divide the query heads HQ. When it also divides the KV heads
 HK, each rank gets ``HK/P`` of them. When it exceeds them (P a multiple of HK), each KV head is
 replicated on the ``P/HK`` consecutive ranks whose query heads belong to its GQA group, as
 DeepSpeed's Ulysses for HF does: k/v are repeated before the all-to-all, and autograd sums the
@@ -42,39 +42,10 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from msa_train.config import HeadLayout, head_layout  # the rule is config validation too
 from msa_train.models.attention import SP_ATTR
 
 __all__ = ["HeadLayout", "ParallelLayout", "SP_ATTR", "SequenceParallel", "attach", "build_layout", "head_layout"]
-
-
-@dataclass(frozen=True)
-class HeadLayout:
-    """The attention heads one rank of an SP group of ``sp_degree`` ranks attends with."""
-    q_heads: int       # query heads per rank: HQ / P
-    kv_heads: int      # KV heads per rank: HK / P, or 1 when they are replicated
-    kv_replicas: int   # ranks holding each KV head: 1, or P / HK (they split its query heads)
-
-
-def head_layout(num_heads: int, num_kv_heads: int, sp_degree: int) -> HeadLayout:
-    """Per-rank query and KV heads of an attention layer with ``num_heads`` query and
-    ``num_kv_heads`` KV heads under ``parallel.sp_degree=sp_degree`` (also for memory planning).
-
-    Raises:
-        ValueError: naming the numbers, when P does not divide the query heads, or when P and the
-            KV heads do not divide one another.
-    """
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
-    if num_heads % sp_degree:
-        raise ValueError(f"parallel.sp_degree={sp_degree} must divide the model's num_attention_heads ({num_heads}): "
-                         "each rank attends with num_attention_heads / sp_degree query heads")
-    if num_kv_heads % sp_degree == 0:
-        return HeadLayout(num_heads // sp_degree, num_kv_heads // sp_degree, 1)
-    if sp_degree % num_kv_heads == 0:
-        return HeadLayout(num_heads // sp_degree, 1, sp_degree // num_kv_heads)
-    raise ValueError(f"parallel.sp_degree={sp_degree} and the model's num_key_value_heads ({num_kv_heads}) must "
-                     "divide one another: each rank gets num_key_value_heads / sp_degree KV heads, or each KV head "
-                     "is replicated on sp_degree / num_key_value_heads ranks")
 
 
 def _all_to_all(x: torch.Tensor, group, size: int, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -139,6 +110,10 @@ class SequenceParallel:
                                  f"parallel.sp_degree={self.size} ranks")
             x = x.repeat_interleave(self.size // hk, dim=head_dim)  # backward: the copies' gradients summed
         return self.to_heads(x, seq_dim, head_dim)
+
+    def to_sequence(self, x: torch.Tensor, seq_dim: int, head_dim: int) -> torch.Tensor:
+        """The inverse of :meth:`to_heads`."""
+        return _AllToAll.apply(x, self.group, self.size, seq_dim, head_dim)
 
     def kv_shard(self, p: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's KV heads of a per-KV-head tensor (e.g. NSA's compression parameters

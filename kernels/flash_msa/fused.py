@@ -85,7 +85,8 @@ class NSAAttentionFunction(torch.autograd.Function):
         else:
             cr = per_batch(compressed_ranges, cu, cu_cmp, T, k_cmp.shape[0], cmp_block, cmp_stride)
             o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, cr[0], cr[1], scale, "cmp")
-        q_sel, lse_sel = (q, lse_cmp) if gather_group is None else gather_group(q, lse_cmp)  # nsa_attention's
+        # with sequence parallelism's replicated KV heads: the whole GQA groups' queries (nsa_attention)
+        q_sel, lse_sel = (q, lse_cmp) if gather_group is None else gather_group(q, lse_cmp)
         idx = select_blocks(q_sel, k_cmp, lse_sel, cu, cu_cmp, cmp_block, cmp_stride, slc_block, slc_topk, scale)
         del q_sel, lse_sel
         lr = None

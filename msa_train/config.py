@@ -34,6 +34,37 @@ def _at_least(key: str, value: Any, low: float, what: str = "") -> None:
         raise ValueError(f"{key}={value!r} is not allowed; expected {what or f'a value >= {low}'}")
 
 
+@dataclass(frozen=True)
+class HeadLayout:
+    """The attention heads one rank of an SP group of ``sp_degree`` ranks attends with."""
+    q_heads: int       # query heads per rank: HQ / P
+    kv_heads: int      # KV heads per rank: HK / P, or 1 when they are replicated
+    kv_replicas: int   # ranks holding each KV head: 1, or P / HK (they split its query heads)
+
+
+def head_layout(num_heads: int, num_kv_heads: int, sp_degree: int) -> HeadLayout:
+    """Per-rank query and KV heads of an attention layer with ``num_heads`` query and
+    ``num_kv_heads`` KV heads under ``parallel.sp_degree=sp_degree`` (also for memory planning;
+    msa_train.parallel.sequence re-exports it).
+
+    Raises:
+        ValueError: naming the numbers, when P does not divide the query heads, or when P and the
+            KV heads do not divide one another.
+    """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+    if num_heads % sp_degree:
+        raise ValueError(f"parallel.sp_degree={sp_degree} must divide the model's num_attention_heads ({num_heads}): "
+                         "each rank attends with num_attention_heads / sp_degree query heads")
+    if num_kv_heads % sp_degree == 0:
+        return HeadLayout(num_heads // sp_degree, num_kv_heads // sp_degree, 1)
+    if sp_degree % num_kv_heads == 0:
+        return HeadLayout(num_heads // sp_degree, 1, sp_degree // num_kv_heads)
+    raise ValueError(f"parallel.sp_degree={sp_degree} and the model's num_key_value_heads ({num_kv_heads}) must "
+                     "divide one another: each rank gets num_key_value_heads / sp_degree KV heads, or each KV head "
+                     "is replicated on sp_degree / num_key_value_heads ranks")
+
+
 @dataclass
 class ModelConfig:
     """The HF model. Either ``path`` (a local HF checkpoint dir) or ``hf_config`` (config values)."""
@@ -218,6 +249,9 @@ class RootConfig:
         if self.train.seq_len % self.parallel.sp_degree != 0:
             raise ValueError(f"train.seq_len={self.train.seq_len} must be divisible by parallel.sp_degree="
                              f"{self.parallel.sp_degree}")
+        heads = self.model.hf_config.get("num_attention_heads") if self.model.path is None else None
+        if self.parallel.sp_degree > 1 and heads is not None:  # a model.path's heads: checked by the trainer
+            head_layout(heads, self.model.hf_config.get("num_key_value_heads") or heads, self.parallel.sp_degree)
         dpo, pairs = self.train.objective == "dpo", getattr(self.data, "format", None) == "preference"
         if dpo != pairs:
             raise ValueError("train.objective=dpo and data.format=preference go together: DPO trains on preference "

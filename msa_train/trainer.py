@@ -181,12 +181,10 @@ class Trainer:
                                      deterministic=cfg.train.deterministic)
         if self.sp is not None:
             from msa_train.models import _head_dims
-            from msa_train.parallel.sequence import attach
+            from msa_train.parallel.sequence import attach, head_layout
 
-            _, num_kv_heads, _ = _head_dims(self.model.config)
-            if num_kv_heads % self.sp.size:
-                raise ValueError(f"parallel.sp_degree={self.sp.size} must divide the model's {num_kv_heads} KV heads "
-                                 "(each rank attends with num_kv_heads / sp_degree of them)")
+            num_heads, num_kv_heads, _ = _head_dims(self.model.config)
+            head_layout(num_heads, num_kv_heads, self.sp.size)  # raises, naming the numbers, for a bad degree
             attach(self.model, self.sp)
         if len(self.tokenizer) > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "

@@ -75,7 +75,7 @@ def fused_impl(q: torch.Tensor, k: torch.Tensor, slc_block: int, slc_topk: int, 
 class NSAAttentionFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, sizes, scale, impl, dense):
+    def forward(ctx, q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, sizes, scale, impl, dense, gather_group):
         selected = IMPLS[impl]
         cmp_block, cmp_stride, slc_block, slc_topk, window = sizes
         q, k, v, k_cmp, v_cmp, gates = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates))
@@ -87,7 +87,10 @@ class NSAAttentionFunction(torch.autograd.Function):
         else:
             cr = per_batch(compressed_ranges, cu, cu_cmp, T, k_cmp.shape[0], cmp_block, cmp_stride)
             o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, cr[0], cr[1], scale, "cmp")
-        idx = select_blocks(q, k_cmp, lse_cmp, cu, cu_cmp, cmp_block, cmp_stride, slc_block, slc_topk, scale)
+        # with sequence parallelism's replicated KV heads: the whole GQA groups' queries (nsa_attention)
+        q_sel, lse_sel = (q, lse_cmp) if gather_group is None else gather_group(q, lse_cmp)
+        idx = select_blocks(q_sel, k_cmp, lse_sel, cu, cu_cmp, cmp_block, cmp_stride, slc_block, slc_topk, scale)
+        del q_sel, lse_sel
         lr = None
         if local_in_window(impl, slc_block, slc_topk, window):
             lr = per_batch(local_ranges, cu, T, slc_block)
@@ -122,17 +125,19 @@ class NSAAttentionFunction(torch.autograd.Function):
         dq, dk, dv = range_attention_bwd(q, k, v, None, lse[2], do, None, *ctx.wr, scale, "window",
                                          delta=delta[2], dq=dq, local=local)
         dq, dk, dv = IMPLS[ctx.impl].backward(q, k, v, lse[1], idx, ctx.state, scale, do, delta[1], dq=dq, dkv=(dk, dv))
-        return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None, None
+        return dq, dk, dv, dk_cmp, dv_cmp, dgates, None, None, None, None, None, None, None
 
 
 def nsa_attention_fused(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, cmp_block: int, cmp_stride: int, slc_block: int,
                         slc_topk: int, window: int, scale: float, impl: str,
-                        uniform: Optional[tuple[int, int]] = None, deterministic: bool = False) -> torch.Tensor:
+                        uniform: Optional[tuple[int, int]] = None, deterministic: bool = False, gather_group=None) -> torch.Tensor:
     """The gated sum of the three branches on one packed stream ([T, H, D]; k_cmp / v_cmp packed
     compressed rows, cu_cmp their offsets), ``impl`` from :func:`fused_impl`. ``uniform`` = (B, L)
     when the stream holds B sequences of L tokens each (then compressed attention may run on
-    cuDNN: compression/dense_cmp.py, unless ``deterministic``). Differentiable in q, k, v, k_cmp,
+    cuDNN: compression/dense_cmp.py, unless ``deterministic``); ``gather_group`` as in
+    :func:`flash_msa.nsa.nsa_attention`. Differentiable in q, k, v, k_cmp,
     v_cmp and gates."""
     dense = dense_layout(q, uniform, cmp_block, cmp_stride, deterministic)
     return NSAAttentionFunction.apply(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp,
-                                      (cmp_block, cmp_stride, slc_block, slc_topk, window), scale, impl, dense)
+                                      (cmp_block, cmp_stride, slc_block, slc_topk, window), scale, impl, dense,
+                                      gather_group)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -58,10 +58,10 @@ BRANCHES = {
 
 def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
              cmp_block, cmp_stride, slc_block, slc_topk, window, scale, selected_impl, uniform=None,
-             deterministic=False):
+             deterministic=False, gather_group=None):
     """The NSA data flow on one packed stream [T, H, D]; k_cmp / v_cmp are (weight, pos, proj);
     ``selected_impl`` resolved (resolve_impl); ``uniform`` = (B, L) when the stream holds B
-    sequences of L tokens each, else None."""
+    sequences of L tokens each, else None; ``gather_group`` as in :func:`nsa_attention`."""
     (kw, kp, kj), (vw, vp, vj) = k_cmp, v_cmp
     k_cmp, cu_cmp = branches.compress(k, kw, kp, cu, cmp_block, cmp_stride, proj=kj)
     v_cmp, _ = branches.compress(v, vw, vp, cu, cmp_block, cmp_stride, proj=vj)
@@ -70,9 +70,12 @@ def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
         impl = fused.impl(q, k, slc_block, slc_topk, selected_impl)
         if impl is not None:
             return fused.attention(q, k, v, k_cmp, v_cmp, gates, cu, cu_cmp, cmp_block, cmp_stride, slc_block,
-                                   slc_topk, window, scale, impl, uniform, deterministic)
+                                   slc_topk, window, scale, impl, uniform, deterministic, gather_group)
     o_cmp, lse = branches.compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, cmp_block, cmp_stride, scale)
-    idx = branches.select_blocks(q.detach(), k_cmp.detach(), lse.detach(), cu, cu_cmp,
+    q_sel, lse_sel = q.detach(), lse.detach()
+    if gather_group is not None:  # the whole GQA groups' queries, so the selection is theirs
+        q_sel, lse_sel = gather_group(q_sel, lse_sel)
+    idx = branches.select_blocks(q_sel, k_cmp.detach(), lse_sel, cu, cu_cmp,
                                  cmp_block, cmp_stride, slc_block, slc_topk, scale)  # [T, HK, n]
     # idx comes from our own top-k (distinct, in range): no second validation
     o_slc = run_selected(q[None], k[None], v[None], idx[None], slc_block, cu, scale, selected_impl)[0]
@@ -93,6 +96,7 @@ def nsa_attention(
     cu_seqlens: Optional[torch.Tensor] = None, scale: Optional[float] = None, impl: str = "auto",
     k_cmp_proj: Optional[torch.Tensor] = None, v_cmp_proj: Optional[torch.Tensor] = None,
     deterministic: bool = False,
+    gather_group: Optional[Callable] = None,
 ) -> torch.Tensor:
     """Native Sparse Attention forward (differentiable in q, k, v, gates and the compression parameters).
 
@@ -118,6 +122,10 @@ def nsa_attention(
         deterministic: keep compressed attention on the bitwise deterministic Triton kernels
             instead of cuDNN (whose dq accumulation order varies), also when
             ``torch.are_deterministic_algorithms_enabled()`` is False.
+        gather_group: when the call holds only some query heads of each KV head's group (sequence
+            parallelism with replicated KV heads): ``(q [B*T, HQ, D], lse [B*T, HQ]) -> (q, lse)``
+            of all the query heads of the groups (detached, in head order; the other heads come
+            from the caller's peers), so the blocks are selected from the whole group's scores.
 
     Returns:
         o: [B, T, HQ, D] in the dtype of q.
@@ -142,7 +150,7 @@ def nsa_attention(
     o = _compose(branches, qf, k.reshape(B * T, HK, D), v.reshape(B * T, HK, D), gates.reshape(B * T, HQ, 3),
                  (k_cmp_weight, k_cmp_pos, k_cmp_proj), (v_cmp_weight, v_cmp_pos, v_cmp_proj), cu,
                  cmp_block, cmp_stride, slc_block, slc_topk, window, scale, impl, uniform=uniform,
-                 deterministic=deterministic)
+                 deterministic=deterministic, gather_group=gather_group)
     return o.view(B, T, HQ, D)
 
 
@@ -218,28 +226,32 @@ class NativeSparseAttention(nn.Module):
                 sequence_parallel=None) -> torch.Tensor:
         """hidden_states [B, T, hidden], q [B, T, HQ, D], k/v [B, T, HK, D] -> [B, T, HQ, D].
 
-        ``sequence_parallel`` (Ulysses; msa_train.parallel.sequence.SequenceParallel or any object
-        with ``rank``, ``size`` and the two exchanges ``to_heads(x, seq_dim, head_dim)`` /
-        ``to_sequence(x, seq_dim, head_dim)``): the inputs hold this rank's T tokens of a sequence
-        of ``size * T`` tokens, and ``cu_seqlens`` describes the whole sequence. The gates are
-        computed on the rank's tokens; q, k, v and the gates are exchanged so that the rank attends
-        over the whole sequence with its ``HQ/size`` query and ``HK/size`` KV heads (the
-        compression parameters of those KV heads), and the output comes back to its tokens.
+        ``sequence_parallel`` (Ulysses; msa_train.parallel.sequence.SequenceParallel, or any object
+        with ``size``, the exchanges ``to_heads`` / ``kv_to_heads`` / ``to_sequence(x, seq_dim,
+        head_dim)``, ``kv_shard(p, dim)`` (the rank's rows of a per-KV-head tensor) and
+        ``gather_group(num_kv_heads)`` (None, or :func:`nsa_attention`'s ``gather_group``)): the
+        inputs hold this rank's T tokens of a sequence of ``size * T`` tokens, and ``cu_seqlens``
+        describes the whole sequence. The gates are computed on the rank's tokens; q, k, v and the
+        gates are exchanged so that the rank attends over the whole sequence with its ``HQ/size``
+        query heads and the KV heads they need (with the compression parameters of those), and the
+        output comes back to its tokens.
         """
         gates = self._gates(hidden_states, q)
         params = [self.compress_k.weight, self.compress_k.pos, self.compress_v.weight, self.compress_v.pos,
                   self.compress_k.proj, self.compress_v.proj]
-        sp = sequence_parallel
+        sp, gather = sequence_parallel, None
         if sp is not None and sp.size > 1:
-            if self.num_kv_heads % sp.size:
-                raise ValueError(f"sequence parallelism over {sp.size} ranks needs num_kv_heads ({self.num_kv_heads}) "
-                                 f"to be a multiple of {sp.size}")
-            q, k, v, gates = (sp.to_heads(x, seq_dim=1, head_dim=2) for x in (q, k, v, gates))
-            n = self.num_kv_heads // sp.size
-            params = [p[sp.rank * n:(sp.rank + 1) * n] for p in params]  # this rank's KV heads
+            HQ, HK = self.num_heads, self.num_kv_heads
+            if HQ % sp.size or (HK % sp.size and sp.size % HK):
+                raise ValueError(f"sequence parallelism over {sp.size} ranks needs num_heads ({HQ}) to be a multiple "
+                                 f"of {sp.size}, and num_kv_heads ({HK}) a multiple or a divisor of it")
+            q, gates = (sp.to_heads(x, seq_dim=1, head_dim=2) for x in (q, gates))
+            k, v = (sp.kv_to_heads(x, seq_dim=1, head_dim=2) for x in (k, v))
+            params = [sp.kv_shard(p, 0) for p in params]  # this rank's KV heads
+            gather = sp.gather_group(HK)
         kw, kp, vw, vp, kj, vj = params
         o = nsa_attention(q, k, v, gates, kw, kp, vw, vp, cu_seqlens=cu_seqlens, scale=scale, impl=self.impl,
-                          k_cmp_proj=kj, v_cmp_proj=vj, deterministic=self.deterministic, **self.sizes)
+                          k_cmp_proj=kj, v_cmp_proj=vj, deterministic=self.deterministic, gather_group=gather, **self.sizes)
         if sp is not None and sp.size > 1:
             o = sp.to_sequence(o, seq_dim=1, head_dim=2)
         return o

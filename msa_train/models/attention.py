@@ -30,13 +30,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from msa_train.parallel.sequence import SP_ATTR
-
 FULL = "msa_full"
 NSA = "msa_nsa"
 _HIDDEN = "_msa_hidden_states"
 _CACHE_LAYER = "_msa_cache_layer"  # the HF cache layer a decoding NSA module extends, for its forward only
 _DECODE_STATE = "_msa_decode_state"  # on that cache layer: a _DecodeState
+# on each patched attention module: its msa_train.parallel.sequence.SequenceParallel (None: off);
+# defined here, where it is read, so that models never import parallel (parallel.sequence sets it)
+SP_ATTR = "msa_sequence_parallel"
 
 try:  # torch >= 2.10; its keyword arguments changed between releases, so probe them
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -140,7 +141,8 @@ def full_attention_forward(module, query, key, value, attention_mask=None, scali
 
     With sequence parallelism (the module's ``msa_sequence_parallel``, msa_train/parallel/sequence.py)
     the inputs hold the rank's T tokens and ``cu_seq_lens_q`` the whole sequence: q/k/v are exchanged
-    to all tokens of the rank's heads, and the output back to its tokens.
+    to all tokens of the rank's heads (its KV heads replicated when there are fewer than ranks),
+    and the output back to its tokens.
 
     Returns:
         ([B, T, HQ, D], None)
@@ -148,7 +150,8 @@ def full_attention_forward(module, query, key, value, attention_mask=None, scali
     sp = getattr(module, SP_ATTR, None)
     if sp is None or sp.size == 1:
         return _full_attention(query, key, value, scaling, cu_seq_lens_q, max_length_q), None
-    query, key, value = (sp.to_heads(x, seq_dim=2, head_dim=1) for x in (query, key, value))
+    query = sp.to_heads(query, seq_dim=2, head_dim=1)
+    key, value = (sp.kv_to_heads(x, seq_dim=2, head_dim=1) for x in (key, value))
     out = _full_attention(query, key, value, scaling, cu_seq_lens_q, max_length_q)
     return sp.to_sequence(out, seq_dim=1, head_dim=2), None
 

@@ -256,3 +256,22 @@ def test_metrics_jsonl_stays_strict_json_with_non_finite_values(tmp_path):
     assert _strict_json((tmp_path / "metrics.jsonl").read_text()) == {
         "step": 1, "loss": None, "grad_norm": None, "tokens_per_s": 1.0, "peak_memory_gb": 0.0, "nested": [None, 2.0]}
     assert _strict_json((tmp_path / "summary.json").read_text()) == {"final_loss": None}
+
+
+def test_eval_only_under_zero3_reads_the_weights_safely(tmp_path, monkeypatch):
+    """ZeRO-3 keeps the weights in the optimizer's partitions: eval.only restores them from there, not
+    through DeepSpeed's zero_to_fp32 (which unpickles every rank's files with weights_only=False)."""
+    import deepspeed.runtime.engine as ds_engine
+
+    from msa_train.trainer import Trainer
+
+    args = ["attention=full", "train.seq_len=128", "parallel.zero_stage=3", "train.steps=1", "data.eval_fraction=0.125", *FAST,
+            f"train.output_dir={tmp_path}"]
+    trained = Trainer(compose(args))
+    trained.train()
+    monkeypatch.setattr(ds_engine, "get_fp32_state_dict_from_zero_checkpoint",
+                        lambda *a, **k: pytest.fail("zero_to_fp32 reads the checkpoint unsafely"))
+    evaluated = Trainer(compose([*args, "eval.only=true", "train.resume=auto"]))
+    for a, b in zip(trained.module.parameters(), evaluated.module.parameters(), strict=True):
+        assert torch.equal(a.ds_tensor, b.ds_tensor)
+    assert any(p.ds_tensor.abs().sum() > 0 for p in evaluated.module.parameters())

@@ -6,7 +6,7 @@ Layout of ``<output_dir>/checkpoints/``::
       ds/                        DeepSpeed engine.save_checkpoint: model, optimizer, LR scheduler
       rank_00000.pt ...          per rank: torch / CUDA / python RNG states, data sampler state
       trainer_state.json         step, tokens seen, the settings an exact resume depends on
-      manifest.json              size and sha256 of every file above
+      manifest.json              every file above: its size, the sha256 of each 256 MiB piece
       COMPLETE                   written last, before the rename
     .tmp_step_000030/            an interrupted write: ignored, removed by the next save
 

@@ -22,6 +22,7 @@ OPTIMIZERS = ("torch", "deepspeed")
 WANDB_MODES = ("offline", "online", "disabled")
 OBJECTIVES = ("lm", "dpo")
 LOSS_IMPLS = ("fused", "recompute")  # msa_train/loss.py
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 def _choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
@@ -162,6 +163,8 @@ class TrainConfig:
     save_hf: bool = True                 # write an HF dir (config + safetensors) at the end
     keep_checkpoints: int = 2            # newest complete checkpoints kept; 0 keeps all
     resume: str = "none"                 # none | auto | path to a checkpoint dir
+    on_nonfinite: str = "stop"           # stop (raise, exit non-zero) | skip (restore the last checkpoint, skip
+                                         # the batches since): a NaN / inf loss, gradient norm or weight
     peak_tflops: Optional[float] = None  # per device, for MFU; None = known GPU table, CPU -> no MFU
     progress: bool = True                # rich progress bar on rank 0
     phase_times: bool = False            # records get forward_s / backward_s / step_s (3 host syncs per micro step)
@@ -185,6 +188,7 @@ class TrainConfig:
         _choice("train.precision", self.precision, PRECISIONS)
         _choice("train.objective", self.objective, OBJECTIVES)
         _choice("train.loss_impl", self.loss_impl, LOSS_IMPLS)
+        _choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         if not self.dpo_beta > 0:
             raise ValueError(f"train.dpo_beta={self.dpo_beta!r} is not allowed; expected a positive float")
         _choice("train.device", self.device, DEVICES)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import time
@@ -64,6 +65,22 @@ def format_eval(record: Dict[str, Any]) -> str:
     if by_pos:
         parts.append("by position " + " ".join(f"{k}:{v:.3f}" for k, v in by_pos))
     return "  ".join(parts)
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
+def json_line(record: Dict[str, Any], indent: Optional[int] = None) -> str:
+    """Strict JSON: a NaN or infinite float becomes null (json.dumps would write the bare NaN /
+    Infinity that strict parsers reject)."""
+    return json.dumps(_finite_or_null(record), indent=indent, allow_nan=False)
 
 
 class PhaseTimer:
@@ -225,9 +242,18 @@ class MetricsLogger:
 
     def _write(self, record: Dict[str, Any]) -> None:
         """metrics.jsonl and wandb: every figure under the same name in both."""
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json_line(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+
+    def rewind(self, step: int, record: Dict[str, Any]) -> None:
+        """Drop the records past ``step`` (training went back to a checkpoint of that step) and write ``record``."""
+        if not self.enabled:
+            return
+        self._file.close()
+        self._truncate_after(step)
+        self._file = open(self.metrics_path, "a", buffering=1)
+        self._write(record)
 
     def log(self, record: Dict[str, Any]) -> None:
         if not self.enabled:
@@ -261,7 +287,7 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.stop()
         if summary is not None:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            (self.run_dir / "summary.json").write_text(json_line(summary, indent=2))
             if self._wandb is not None:
                 self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
         self._file.close()

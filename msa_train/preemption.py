@@ -6,14 +6,10 @@ flag; at the end of every optimizer step the ranks agree on it (one all-reduce o
 gloo: host-side, no GPU sync), so a signal that reaches one rank stops all of them at the same
 step, where the trainer writes its usual atomic checkpoint; ``train.resume=auto`` continues
 exactly from there. SIGINT (Ctrl-C) keeps its default: stop now.
-
-Test hook: ``MSA_TRAIN_SIGNAL_AT=<step>:<rank>`` makes that rank send itself SIGTERM at the end of
-that step.
 """
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from typing import Optional
@@ -35,16 +31,12 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        hook = os.environ.get("MSA_TRAIN_SIGNAL_AT", "")
-        self._hook = tuple(int(x) for x in hook.split(":")) if hook else None
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
     def requested(self, step: int) -> bool:
         """Collective: whether any rank received a stop signal (by the end of ``step``)."""
-        if self._hook == (step, self.rank):
-            os.kill(os.getpid(), signal.SIGTERM)
         flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from msa_train.checkpoint import CheckpointManager, swap_in
+from msa_train.checkpoint import CheckpointManager, find_latest, safe_load, swap_in
 from msa_train.config import RootConfig
 from msa_train.loss import IGNORE_INDEX
 from msa_train.metrics import MetricsLogger, PhaseTimer, model_flops_per_token, peak_memory_gb, peak_tflops
@@ -45,6 +46,16 @@ def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     targets[:-1] = labels[1:]
     targets[(cu_seqlens[1:].long() - 1).clamp_min(0)] = IGNORE_INDEX
     return targets
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss, the gradient norm or the weights stopped being finite (``train.on_nonfinite``)."""
+
+
+def nonfinite_values(record: Dict[str, Any]) -> List[str]:
+    """``name=value`` of a logged record's loss and gradient norm that are not finite (host floats)."""
+    return [f"{k}={record[k]}" for k in ("loss", "grad_norm")
+            if isinstance(record.get(k), float) and not math.isfinite(record[k])]
 
 
 def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
@@ -225,7 +236,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.dist.rank, cfg.train.keep_checkpoints,
-                                      local_rank=self.dist.local_rank)
+                                      local_rank=self.dist.local_rank, group=self._control)
+        self._restored_for_nonfinite: Optional[Path] = None  # train.on_nonfinite=skip's last restore
         path = self.ckpt.resolve(cfg.train.resume)
         self.resumed_from = None
         if path is not None:
@@ -509,7 +521,7 @@ class Trainer:
             if not path.is_file():
                 raise ValueError(f"train.resume: {path} is missing: a DPO run resumes with the reference "
                                  "log-probabilities computed at its start")
-            self._reference = torch.load(path)
+            self._reference = safe_load(path)
             return
         if self.cfg.eval.only:
             raise ValueError("eval.only=true with DPO evaluates a checkpoint of a DPO run (train.resume=auto or a "
@@ -626,6 +638,47 @@ class Trainer:
                                       "sp_degree": self.cfg.parallel.sp_degree,
                                       "zero_stage": self.cfg.parallel.zero_stage}, default=str))
 
+    def _nonfinite_now(self, out: Dict[str, Any]) -> List[str]:
+        """Which of the last step's loss and gradient norm, and the weights, are not finite on any rank.
+        Collective, with one host sync: run before a save or an export, a sync point anyway."""
+        grad_norm = out["grad_norm"] if out["grad_norm"] is not None else self.engine.get_global_grad_norm()
+        weights = [getattr(p, "ds_tensor", p) for p in self.module.parameters()]  # ZeRO-3: this rank's partition
+        finite = [torch.isfinite(out["loss_sum"]).all(),
+                  torch.isfinite(torch.as_tensor(grad_norm if grad_norm is not None else 0.0)).all(),
+                  torch.stack([torch.isfinite(w).all() for w in weights if w.numel()] or [torch.tensor(True)]).all()]
+        bad = torch.stack([~f.to(self.device) for f in finite]).int()
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return [name for name, b in zip(("loss", "grad_norm", "weights"), bad.tolist()) if b]
+
+    def _on_nonfinite(self, bad: List[str], records: List[Dict[str, Any]]) -> None:
+        """``train.on_nonfinite``: ``stop`` raises :class:`NonFiniteError`; ``skip`` restores the newest
+        checkpoint (all of them are finite: none is written otherwise) and goes on with the data after
+        the offending step, i.e. the batches since that checkpoint are skipped. A second non-finite
+        value before a newer checkpoint is written stops the run as ``stop`` does."""
+        step, latest = self.step, find_latest(self.ckpt.root)
+        where = f"the last checkpoint, {latest}, is finite" if latest else "no checkpoint was written yet"
+        if self.cfg.train.on_nonfinite == "stop" or latest is None or latest == self._restored_for_nonfinite:
+            again = " again after restoring it" if latest is not None and latest == self._restored_for_nonfinite else ""
+            if self.logger is not None:
+                self.logger.close()
+            raise NonFiniteError(
+                f"train.on_nonfinite={self.cfg.train.on_nonfinite}: at step {step} {', '.join(bad)} not finite{again}; "
+                f"no checkpoint or hf/ export is written from a non-finite state, {where} (continue from it with "
+                "train.resume=auto and, e.g., a lower train.lr or a longer train.warmup_steps)")
+        self.ckpt.verify(latest)
+        trainer_state, _ = self.ckpt.load(self.engine, latest)  # the RNG too; the sampler goes on from here
+        self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)  # re-apply the restored rate
+        self._restored_for_nonfinite = latest
+        records[:] = [r for r in records if r["step"] <= self.step]
+        if self.logger is not None:
+            self.logger.rewind(self.step, {"step": self.step, "nonfinite_skip": {
+                "at_step": step, "values": bad, "restored": latest.name,
+                "skipped_steps": [self.step + 1, step]}})
+        if self.dist.is_main:
+            log.warning("train.on_nonfinite=skip: at step %d %s not finite; restored %s and skipped the batches of "
+                        "steps %d-%d", step, ", ".join(bad), latest, self.step + 1, step)
+
     def _save(self) -> None:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "recipe": self.cfg.recipe_name,
                          "train_steps": self.cfg.train.steps,
@@ -659,23 +712,34 @@ class Trainer:
                 out = self._profiled_step() if cfg.profile_step == self.step + 1 else self.train_step()
                 tokens_since += out["tokens"]
                 documents_since += out["document_tokens"]
+                bad: List[str] = []
                 # 5. log: the only host syncs of the loop, every log_every steps.
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     now = time.perf_counter()
                     records.append(self._log(out, now - t_last, tokens_since, documents_since))
                     t_last, tokens_since, documents_since = now, 0, 0
+                    bad = nonfinite_values(records[-1])  # host floats already
                 else:
                     self.logger.advance(self.step)
+                save_due = (cfg.save_every and self.step % cfg.save_every == 0) or \
+                    (self.step == last and (cfg.save_final or stop_after is not None))
+                if not bad and (save_due or (self.step == cfg.steps and cfg.save_hf)):
+                    bad = self._nonfinite_now(out)  # before anything is written from this state
+                if bad:
+                    self._on_nonfinite(bad, records)  # raises, or restores a checkpoint
+                    t_last, tokens_since, documents_since = time.perf_counter(), 0, 0
+                    continue
                 if has_eval and ((ev.every and self.step % ev.every == 0) or (ev.at_end and self.step == cfg.steps)):
                     self._log_eval(self.evaluate())
                     t_last = time.perf_counter()  # the evaluation's time is not training time
-                saved = False
-                if (cfg.save_every and self.step % cfg.save_every == 0) or \
-                        (self.step == last and (cfg.save_final or stop_after is not None)):
+                if save_due:
                     self._save()
-                    saved = True
                 if stop.requested(self.step):  # host-side agreement over gloo, no GPU sync
-                    if not saved:
+                    if not save_due:
+                        bad = self._nonfinite_now(out)
+                        if bad:  # skip: restored, and the stop takes effect after the next step
+                            self._on_nonfinite(bad, records)
+                            continue
                         self._save()
                     stopped_by = signal.Signals(stop.received).name if stop.received else "a signal on another rank"
                     if self.dist.is_main:

@@ -45,9 +45,11 @@ def env() -> dict:
     return e
 
 
-def run_cli(args: Sequence[str], extra_env=None, launcher: Sequence[str] = (), timeout=300):
-    """``python -m msa_train.cli ARGS`` (optionally under a launcher such as torchrun) in a subprocess."""
+def run_cli(args: Sequence[str], extra_env=None, launcher: Sequence[str] = (), timeout=300, faults: Sequence[str] = ()):
+    """``python -m msa_train.cli ARGS`` (optionally under a launcher such as torchrun) in a subprocess;
+    with ``faults``, the CLI with those faults patched in (tests/msa_train/faults.py)."""
     e = env()
     e.update(extra_env or {})
-    cmd = [*launcher, "-m", "msa_train.cli", *args] if launcher else [sys.executable, "-m", "msa_train.cli", *args]
+    entry = ["-m", "tests.msa_train.faults", *faults, "--"] if faults else ["-m", "msa_train.cli"]
+    cmd = [*(launcher or [sys.executable]), *entry, *args]
     return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)

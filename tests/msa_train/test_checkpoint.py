@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from msa_train.checkpoint import COMPLETE, CheckpointManager, complete_checkpoints
 from msa_train.metrics import MetricsLogger
@@ -12,7 +13,7 @@ from tests.msa_train._util import FAST, train
 class FakeEngine:
     def save_checkpoint(self, path, tag, save_latest=False):
         Path(path, tag).mkdir()
-        Path(path, tag, "model.pt").write_text("weights")
+        torch.save({"w": torch.zeros(2)}, Path(path, tag, "model.pt"))
 
 
 def _save(mgr, step):

@@ -75,7 +75,7 @@ def test_resume_refuses_a_checkpoint_of_a_differently_configured_run(tmp_path):
 
 def test_sigkill_during_checkpoint_write_leaves_previous_checkpoint_usable(tmp_path):
     args = ["attention=full", "train.steps=6", "train.save_every=3", f"train.output_dir={tmp_path}", *FAST]
-    out = run_cli(args, extra_env={"MSA_TRAIN_CRASH_IN_SAVE": "6"})
+    out = run_cli(args, faults=["sigkill-in-save=6"])
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "step_000003" / "COMPLETE").is_file()
@@ -145,7 +145,7 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path):
 
 @pytest.mark.parametrize("procs", [1, 2])
 def test_stop_signal_checkpoints_the_current_step_and_resumes(tmp_path, procs):
-    """A SIGTERM (here sent by the last rank to itself at the end of step 2: the test hook) stops
+    """A SIGTERM (here sent by the last rank to itself at the end of step 2: a patched-in fault) stops
     every rank after that step with a complete checkpoint there, and the process exits 0;
     resume=auto continues from it."""
     args = ["attention=full", "train.steps=6", "train.seq_len=256", f"train.output_dir={tmp_path}", *FAST]
@@ -159,7 +159,7 @@ def test_stop_signal_checkpoints_the_current_step_and_resumes(tmp_path, procs):
             port = s.getsockname()[1]
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
                     "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    out = run_cli(args, extra_env={"MSA_TRAIN_SIGNAL_AT": f"2:{procs - 1}"}, launcher=launcher, timeout=300)
+    out = run_cli(args, faults=[f"sigterm-at=2:{procs - 1}"], launcher=launcher, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "stop signal: stopped after step 2" in out.stdout + out.stderr
     ckpt = tmp_path / "checkpoints" / "step_000002"

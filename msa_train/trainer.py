@@ -69,6 +69,8 @@ def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) ->
     a, b = flat(saved), flat(current)
     if saved and "train.loss_impl" not in a and "train.loss_impl" in b:
         a["train.loss_impl"] = "recompute"  # checkpoints from before the setting: the only form then
+    if saved and "data.long_prompt" not in a and a.get("data.format") != "sft":
+        a["data.long_prompt"] = b.get("data.long_prompt")  # SFT only: no effect on the other formats' data
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if saved and changed:
         shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:6])

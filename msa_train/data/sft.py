@@ -96,10 +96,13 @@ def apply_long_prompt_policy(tokens: datasets.Dataset, policy: str, seq_len: int
     return tokens.map(fit, batched=True, with_indices=True, features=TOKEN_FEATURES, desc="data.long_prompt")
 
 
-def supervised_tokens(tokens: datasets.Dataset) -> int:
-    """Label tokens a packed copy of these whole records trains on: those not -100, less a
-    record's first token (a segment start, never trained: packing.py)."""
+def trained_per_record(tokens: datasets.Dataset) -> np.ndarray:
+    """int64 [N]: the label tokens a packed copy of each whole record trains on: those not -100,
+    less the record's first token (a segment start, never trained: packing.py)."""
     labels = tokens.select_columns(["labels"]).with_format("arrow")[:]["labels"]  # honours a select()
-    trained = pc.sum(pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX)).as_py() or 0
-    first = pc.sum(pc.not_equal(pc.list_element(labels, 0), IGNORE_INDEX)).as_py() or 0
-    return int(trained - first)
+    labels = labels.combine_chunks() if labels.num_chunks else labels
+    lengths = pc.list_value_length(labels).to_numpy(zero_copy_only=False)
+    trained = pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX).to_numpy(zero_copy_only=False)
+    starts = np.cumsum(lengths) - lengths
+    trained[starts[lengths > 0]] = False
+    return np.add.reduceat(trained.astype(np.int64), starts) if len(trained) else np.zeros(len(lengths), np.int64)

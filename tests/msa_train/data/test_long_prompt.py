@@ -77,7 +77,7 @@ def test_every_packed_sequence_of_long_prompt_sft_trains_some_token(tok, write_j
     assert all((ds[i]["labels"] != IGNORE_INDEX).any() for i in range(len(ds)))
 
 
-def test_data_that_leaves_no_supervised_token_is_an_error(tok, write_jsonl):
+def test_data_that_leaves_no_supervised_token_is_an_error(tok, write_jsonl, caplog):
     # a template that renders no assistant content: every label is masked
     chat_tok = tok.__class__(tokenizer_object=tok.backend_tokenizer, bos_token=tok.bos_token,
                              eos_token=tok.eos_token, pad_token=tok.pad_token)
@@ -87,6 +87,13 @@ def test_data_that_leaves_no_supervised_token_is_an_error(tok, write_jsonl):
                                                     {"role": "assistant", "content": "Hello"}]}] * 2)
     with pytest.raises(ValueError, match=r"the 2 training SFT records leave no token to train on"):
         build_packed_dataset(DataConfig(format="sft", path=path), chat_tok, T)
+    # some such records among trained ones: a warning counts them
+    mixed = write_jsonl("mixed.jsonl", [{"messages": [{"role": "user", "content": "Hi"},
+                                                      {"role": "assistant", "content": "Hello"}]},
+                                        {"prompt": "Q? ", "response": "A.", "messages": None}])
+    with caplog.at_level(logging.WARNING, logger="msa_train"):
+        build_packed_dataset(DataConfig(format="sft", path=mixed), chat_tok, T)
+    assert "1 of 2 training SFT records have no token to train on" in caplog.text
 
 
 def test_records_that_fit_are_unchanged(tok, write_jsonl):

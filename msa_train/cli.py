@@ -7,6 +7,7 @@ registered as the ``recipe`` config group (``recipe=tiny`` is the default).
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -134,10 +135,26 @@ def _exit_after_distributed_run() -> None:
 def _quiet_libraries() -> None:
     """Hydra sets the root logger to INFO; keep third-party INFO chatter (DeepSpeed's op probes,
     compiler checks) out of the terminal, keep msa_train's own messages."""
-    import logging
+    import torch
 
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("msa_train").setLevel(logging.INFO)
+    if not torch.cuda.is_available():
+        # deepspeed/accelerator/real_accelerator.py warns "Setting accelerator to CPU. If you have GPU
+        # ... we were unable to detect it" on every CPU run: without CUDA in torch, the CPU is the
+        # only choice and the trainer's model line says where it runs. With CUDA the warning stays.
+        logging.getLogger("DeepSpeed").addFilter(_DropMessage("Setting accelerator to CPU"))
+
+
+class _DropMessage(logging.Filter):
+    """Drops the records whose message contains ``text`` (one known, harmless library message)."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def take_launcher_args(argv: list[str]) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import resource
@@ -50,6 +51,14 @@ def model_flops_per_token(n_matmul: int, num_layers: int, attn_dim: int, mean_co
     plus causal attention QK^T and PV: 2 matmuls x 2 FLOPs x attn_dim (HQ*D) x mean context, x3.
     """
     return 6.0 * n_matmul + 12.0 * num_layers * attn_dim * mean_context
+
+
+def log_on_rank_zero_only(rank: int) -> None:
+    """Ranks other than 0 log errors only: their info and warnings (the data summary, the model
+    line, DeepSpeed's notes) repeat rank 0's, once per process. Rank 0 speaks for the run."""
+    if rank != 0:
+        for name in ("msa_train", "DeepSpeed"):  # DeepSpeed's logger is named "DeepSpeed"
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def format_eval(record: Dict[str, Any]) -> str:
@@ -261,7 +270,7 @@ class MetricsLogger:
         self._write(record)
         if self._progress is not None:
             mfu = record.get("mfu")
-            self._progress.update(self._task, completed=record["step"], loss=f"{record['loss']:.4f}",
+            self._progress.update(self._task, completed=record["step"], loss="-" if record["loss"] is None else f"{record['loss']:.4f}",
                                   tps=f"{record['tokens_per_s']:,.0f}",
                                   mfu="-" if mfu is None else f"{100 * mfu:.1f}%",
                                   mem=f"{record['peak_memory_gb']:.2f}")

@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 from msa_train.checkpoint import CheckpointManager, find_latest, safe_load, swap_in
 from msa_train.config import RootConfig
 from msa_train.loss import IGNORE_INDEX
-from msa_train.metrics import MetricsLogger, PhaseTimer, model_flops_per_token, peak_memory_gb, peak_tflops
+from msa_train.metrics import (MetricsLogger, PhaseTimer, log_on_rank_zero_only, model_flops_per_token,
+                               peak_memory_gb, peak_tflops)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) ->
     a, b = flat(saved), flat(current)
     if saved and "train.loss_impl" not in a and "train.loss_impl" in b:
         a["train.loss_impl"] = "recompute"  # checkpoints from before the setting: the only form then
+    if saved and "data.long_prompt" not in a and a.get("data.format") != "sft":
+        a["data.long_prompt"] = b.get("data.long_prompt")  # SFT only: no effect on the other formats' data
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if saved and changed:
         shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:6])
@@ -131,6 +134,7 @@ class Trainer:
 
         cfg = self.cfg
         self.dist = init_distributed(cfg.train.device, cfg.parallel.backend)
+        log_on_rank_zero_only(self.dist.rank)
         self.device = self.dist.device
         precision = cfg.train.precision
         if precision == "auto":
@@ -257,6 +261,8 @@ class Trainer:
             self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)  # re-apply the restored rate
             self._sampler_iter = iter(self.sampler)
             self.resumed_from = str(path)
+            if self.dist.is_main:
+                log.info("resumed from step %d (%s), %d tokens seen", self.step, path, self.tokens_seen)
             saved_steps = trainer_state.get("train_steps")  # the length of the saved run's LR schedule
             if saved_steps is not None and saved_steps != cfg.train.steps and self.dist.is_main:
                 log.warning("train.steps %d differs from the resumed run's %d: the cosine learning-rate schedule "
@@ -602,7 +608,13 @@ class Trainer:
                                  dtype=torch.float64, device=self.device)
         dist.all_reduce(documents)
         # host syncs, logging only
-        loss = (loss_sum / out["n_global"].clamp_min(1.0)).item()
+        n_global = out["n_global"].item()
+        # a step whose global batch has no label token computed no loss: null, not 0 (docs/trainer.md)
+        loss = (loss_sum / n_global).item() if n_global else None
+        if loss is None and self.dist.is_main:
+            log.warning("step %d: no token of its global batch has a label (all masked): its loss is logged as "
+                        "null and left out of first_loss / final_loss; the optimizer still stepped (docs/trainer.md)",
+                        self.step)
         extra = {}
         for name, value in out.get("pair_sums", {}).items():  # DPO: means over the global batch's pairs
             value = value.clone()
@@ -804,7 +816,7 @@ class Trainer:
             dist.barrier()
 
     def _summary(self, records: List[Dict[str, Any]]) -> Dict[str, Any]:
-        losses = [r["loss"] for r in records]
+        losses = [r["loss"] for r in records if r["loss"] is not None]  # null: a step with no label token
         timed = [r for r in records[1:] if not r.get("profiled")] or records  # the first: warmup
         tps = [r["tokens_per_s"] for r in timed]
         dps = [r["document_tokens_per_s"] for r in timed]
@@ -812,6 +824,7 @@ class Trainer:
             "recipe": self.cfg.recipe_name, "attention": self.cfg.attention.name, "steps": self.step,
             "world_size": self.dist.world_size, "device": str(self.device), "n_params": self.n_params,
             "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+            "steps_without_labels": sum(r["loss"] is None for r in records),  # of the logged steps
             "mean_tokens_per_s": sum(tps) / len(tps) if tps else None,
             "mean_document_tokens_per_s": sum(dps) / len(dps) if dps else None,
             "peak_memory_gb": peak_memory_gb(self.device), "wall_time_s": time.perf_counter() - self._t0,

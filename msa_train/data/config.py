@@ -11,6 +11,7 @@ from typing import Any, List, Optional
 FORMATS = ("generated", "pretrain", "sft", "preference")
 FILE_TYPES = ("jsonl", "json", "parquet", "txt")
 TEXT_SAMPLE_BY = ("document", "paragraph", "line")
+LONG_PROMPT = ("truncate_left", "drop", "error")  # msa_train/data/sft.py
 
 
 @dataclass
@@ -46,6 +47,9 @@ class DataConfig:
         eval_fraction: hold out this fraction of the documents (or pairs) of ``path``,
             or of the generated corpus, for evaluation; chosen by ``seed``, and never
             trained on. At most one of ``eval_path`` and ``eval_fraction``.
+        long_prompt: what becomes of an SFT record longer than ``train.seq_len``:
+            "truncate_left" (its prompt loses its beginning, the response stays whole when it
+            fits), "drop" or "error"; see ``msa_train/data/sft.py``. SFT only.
         num_proc: worker processes for tokenisation.
         cache_dir: where the loaded records and their tokenisation are cached.
             None keeps everything in memory and writes nothing to disk.
@@ -70,6 +74,7 @@ class DataConfig:
     seed: int = 0
     eval_path: Optional[Any] = None  # str | List[str], like path
     eval_fraction: float = 0.0
+    long_prompt: str = "truncate_left"
     num_proc: int = 1
     cache_dir: Optional[str] = None
 
@@ -105,6 +110,9 @@ class DataConfig:
         if not 64 <= self.min_doc_tokens <= self.max_doc_tokens:
             raise ValueError(f"data.min_doc_tokens={self.min_doc_tokens} and data.max_doc_tokens="
                              f"{self.max_doc_tokens} must satisfy 64 <= min_doc_tokens <= max_doc_tokens")
+        if self.long_prompt not in LONG_PROMPT:
+            raise ValueError(f"data.long_prompt={self.long_prompt!r} is not one of {list(LONG_PROMPT)}: what becomes "
+                             "of an SFT record longer than train.seq_len")
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc={self.num_proc} must be >= 1")
         for name in ("text_field", "prompt_field", "response_field", "messages_field",

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from .config import DataConfig
 from .generated import generate_corpus
 from .packing import PackedDataset, PreferencePairDataset, plan_packing
+from .sft import apply_long_prompt_policy, trained_per_record
 from .sources import column, load_records
 from .tokenization import tokenize_dataset
 from .tokenizer import pad_token_id
@@ -96,11 +97,19 @@ def _pack(tokens: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTokeni
                            "cut from the right too; raise seq_len to keep them whole", ds.num_truncated, len(ds), what,
                            seq_len, ds.num_truncated - ds.num_response_cut, ds.num_response_cut)
         return ds
+    if cfg.format == "sft":
+        tokens = apply_long_prompt_policy(tokens, cfg.long_prompt, seq_len,
+                                          tokenizer.bos_token_id if cfg.add_bos else None, what)
+        trained = trained_per_record(tokens)
+        if not trained.any():  # every step would train nothing
+            raise ValueError(f"data: the {len(tokens)} {what} SFT records leave no token to train on at "
+                             f"train.seq_len={seq_len}: every label is masked (prompt or chat turns other than "
+                             "the assistant's); check data.prompt_field / data.response_field / data.messages_field "
+                             "and the tokenizer's chat template")
+        if not trained.all():
+            logger.warning("data: %d of %d %s SFT records have no token to train on (every label masked): they are "
+                           "packed but add no loss", int((trained == 0).sum()), len(trained), what)
     lengths = column(tokens, "length", numpy=True)
-    if cfg.format == "sft" and (lengths > seq_len).any():
-        logger.warning("data: %d of %d %s SFT records are longer than seq_len=%d and are split into pieces "
-                       "that do not see their prompt; raise seq_len to keep them whole",
-                       int((lengths > seq_len).sum()), len(lengths), what, seq_len)
     ds = PackedDataset(tokens, plan_packing(lengths, seq_len, cfg.seed), seq_len, pad_id)
     logger.info("data (%s): %d documents, %d tokens -> %d sequences of %d tokens (%.1f%% padding)",
                 what, len(tokens), ds.num_tokens, len(ds), seq_len, 100 * ds.padding_fraction)

@@ -206,13 +206,40 @@ def load_pretrained(path: str, attention_cfg: Union[AttentionConfig, Mapping[str
         raise ValueError(f"model.path={path!r} is not a local directory (msa-train never downloads models)")
     config = AutoConfig.from_pretrained(path)
     family = family_of(config)
+    recorded = getattr(config, "msa_attention", None) or {}
     if attention_cfg is None and patch:
-        attention_cfg = getattr(config, "msa_attention", None)
-    model = family.causal_lm_cls.from_pretrained(path, **{_DTYPE_KW: dtype})
+        attention_cfg = recorded or None
+    cls = family.causal_lm_cls
+    # The HF class has no NSA modules: told that an NSA checkpoint's *.nsa.* tensors are expected
+    # extras, transformers leaves them out of its load report (which would list every one of them
+    # as UNEXPECTED) and _maybe_load_nsa_weights copies them in strictly once the model is patched.
+    # The subclass lives for the load only: the model comes back as an instance of the HF class.
+    loader = _nsa_tolerant(cls) if recorded.get("name", "full") != "full" else cls
+    model, info = loader.from_pretrained(path, output_loading_info=True, **{_DTYPE_KW: dtype})
+    model.__class__ = cls
+    _check_loading_info(path, cls, info)
     if patch:
         patch_model(model, attention_cfg)
         _maybe_load_nsa_weights(model, path, attention_cfg)
     return model
+
+
+def _nsa_tolerant(cls: type) -> type:
+    """``cls`` whose from_pretrained expects the ``*.nsa.*`` tensors of an msa_train checkpoint
+    besides its own (``_keys_to_ignore_on_load_unexpected``, transformers' own mechanism)."""
+    ignored = [*(cls._keys_to_ignore_on_load_unexpected or []), r"\.nsa\."]
+    return type(cls.__name__, (cls,), {"_keys_to_ignore_on_load_unexpected": ignored, "__module__": cls.__module__})
+
+
+def _check_loading_info(path: str, cls: type, info: Mapping[str, Any]) -> None:
+    """transformers only warns about tensors the checkpoint lacks (initialised at random) or has
+    in excess (dropped); either means the directory does not hold this model, so refuse it."""
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if missing or unexpected:
+        parts = [f"{len(keys)} {what} (e.g. {keys[0]})" for what, keys in
+                 (("tensors missing", missing), ("unexpected tensors", unexpected)) if keys]
+        raise ValueError(f"model.path={path!r}: the checkpoint does not match the {cls.__name__} its config.json "
+                         f"describes: {', '.join(parts)}")
 
 
 def _maybe_load_nsa_weights(model: nn.Module, path: str, attention_cfg) -> None:

@@ -360,3 +360,28 @@ def test_patch_refuses_what_the_backends_would_ignore():
     mask[0, :3] = 0  # left padding
     with pytest.raises(NotImplementedError, match="not padding masks"):
         model(input_ids=ids, attention_mask=mask)
+
+
+def test_loading_an_nsa_checkpoint_reports_no_false_unexpected_tensors(tmp_path, caplog, capfd):
+    """An msa_train hf/ dir loads without transformers' LOAD REPORT listing its *.nsa.* tensors as
+    UNEXPECTED (they are loaded, right after); a tensor that really is extra, or one that is
+    missing, is an error naming the directory and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    save_pretrained(_model("llama", "nsa"), str(tmp_path))
+    capfd.readouterr()
+    with caplog.at_level("WARNING"):
+        load_pretrained(str(tmp_path))
+    out = capfd.readouterr()
+    for text in (caplog.text, out.out, out.err):
+        assert "UNEXPECTED" not in text and "LOAD REPORT" not in text
+
+    weights = tmp_path / "model.safetensors"
+    state = load_file(str(weights))
+    save_file({**state, "model.layers.0.mlp.extra.weight": torch.zeros(2)}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.path=.*1 unexpected tensors \(e\.g\. model\.layers\.0\.mlp\.extra"):
+        load_pretrained(str(tmp_path))
+    save_file({k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}, str(weights),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"1 tensors missing \(e\.g\. model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_pretrained(str(tmp_path))

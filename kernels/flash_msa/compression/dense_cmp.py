@@ -16,7 +16,7 @@ see nothing, get o = 0 and lse = -inf.
 This needs every sequence of the stream to have the same length L (a dense batch, or one
 sequence per stream): PyTorch's varlen cuDNN path (``cum_seq_q``) ran this shape 20x slower than
 the batched one and its gradients came back NaN in our calls (H200, torch 2.11, cuDNN 9.19;
-scripts/probe_cudnn_cmp.py, benchmarks/results/cmp_cudnn_probe_h200.json), and padding a packed
+a one-off probe, benchmarks/results/probes/results.md#cmp_cudnn_probe), and padding a packed
 stream to a batch would need its lengths on the host. Packed streams keep the Triton range
 kernels (window/window.py).
 
@@ -48,14 +48,14 @@ from flash_msa.window.window import range_attention_bwd, range_attention_fwd
 BACKENDS = ("auto", "triton", "cudnn", "math")
 BACKEND = os.environ.get("FLASH_MSA_CMP_BACKEND", "auto")
 # crossover in compressed rows per sequence: whole op at 16K (1023 rows) 13.1 ms on the range
-# kernels against 13.7 on cuDNN, at 32K (2047) 26.5 against 25.4 (nsa_h200_229b0a5.md, --compare-cmp)
+# kernels against 13.7 on cuDNN, at 32K (2047) 26.5 against 25.4 (nsa/variants.md#nsa_229b0a5, --compare-cmp)
 MIN_GROUPS = 2000
 LSE_CLAMP = 1e30  # stands for +inf (a zero gate) in the lse given to the backward
 # The dense calls' transient memory (cuDNN's output and dq, its fp32 dq accumulator, the repeated
 # KV heads: about 5 bytes per byte of q in one call) is split over calls that each take at most
 # OFFSETS_PER_CALL of a group's d token offsets (query heads [c*J*HQ, (c+1)*J*HQ)). At 4 of 16,
 # the whole op's peak memory equals the Triton path's at 64K and 256K (1 call: +2.2 and +9 GB; 8
-# or 16 calls: up to 2.6 ms slower at 64K; benchmarks/results/tune_dense_cmp_h200.json).
+# or 16 calls: up to 2.6 ms slower at 64K; benchmarks/results/probes/results.md#tune_dense_cmp).
 # CHUNKS (or FLASH_MSA_CMP_CHUNKS) fixes the number of calls.
 OFFSETS_PER_CALL = 4
 CHUNKS = int(os.environ.get("FLASH_MSA_CMP_CHUNKS", "0")) or None
@@ -169,8 +169,8 @@ def copy_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for [B, H, S, D] views with a contiguous D, such as cuDNN's output into the
     query groups' view. Written by hand: PyTorch copies between these strided views with its
     generic elementwise kernel, 1.41 ms for the 12 copies (o, dq, lse) of one forward + backward
-    at 64K (benchmarks/results/profile_nsa_64k_h200_pre_copy_heads.log); this kernel takes 0.56 ms
-    for the 8 of o and dq (profile_nsa_64k_h200.log)."""
+    at 64K (benchmarks/results/profile/variants.md#profile_nsa_64k_pre_copy_heads); this kernel takes 0.56 ms
+    for the 8 of o and dq (profile/latest.log)."""
     B, H, S, D = dst.shape
     if src.shape != dst.shape or src.dtype != dst.dtype or dst.stride(3) != 1 or src.stride(3) != 1:
         raise ValueError(f"copy_heads takes two [B, H, S, D] tensors of one dtype with a contiguous D, "
@@ -206,8 +206,8 @@ def add_head_copies(dst: torch.Tensor, src: torch.Tensor) -> None:
     [B, J*H, S, D] with a contiguous D: cuDNN's dk / dv of the repeated KV heads of one call summed
     into the compressed keys' gradient. Written by hand: in PyTorch that is a strided reduction into
     an fp32 temporary and an add per tensor and call (at 64K on the H200 the strided bf16 reductions took
-    0.25 ms in 12 launches, benchmarks/results/profile_nsa_64k_h200_3d7bbd1.log); this reads src once and
-    dst once (0.15 ms in 8 launches, profile_nsa_64k_h200.log)."""
+    0.25 ms in 12 launches, benchmarks/results/profile/variants.md#profile_nsa_64k_3d7bbd1); this reads src once and
+    dst once (0.15 ms in 8 launches, profile/latest.log)."""
     B, H, S, D = dst.shape
     if (src.shape[0], src.shape[2:]) != (B, (S, D)) or src.shape[1] % H or dst.dtype != torch.float32 \
             or dst.stride(3) != 1 or src.stride(3) != 1:

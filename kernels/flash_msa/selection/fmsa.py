@@ -58,14 +58,14 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (half the partitions): forward + backward 22.61 against 24.12 / 24.05 ms at G=4 (656 against 385
 # MiB extra), 27.71 against 29.31 / 29.30 at G=5 (796 against 457 MiB); twice that again (one chunk
 # per KV head) 21.92 and 27.19 ms at 1200 and 1476 MiB, past the 1 GB the API promises at 64K
-# (benchmarks/results/selected_variants11_h200.log). Past 128K, twice the 6 KiB per token gained
-# about 1% of the whole op at 256K (429.3 against 431.7 / 433.9 ms) for 1 GB more (nsa_budget_h200_37ca19b.md).
+# (benchmarks/results/selected/variants.md#selected_variants11). Past 128K, twice the 6 KiB per token gained
+# about 1% of the whole op at 256K (429.3 against 431.7 / 433.9 ms) for 1 GB more (nsa/variants.md#nsa_budget_37ca19b).
 PARTIAL_BUDGET = 768 << 20
 PARTIAL_BUDGET_PER_TOKEN = 6 << 10
 # Backward segments: tiles of BM rows per program (longer keys are split, then reduced).
 # With per-head partitions at 64K, fwd+bwd at G=4 / G=5: 16 tiles 29.0 / 33.8 ms, 32 tiles
 # 27.9 / 32.5, 64 tiles 27.4 / 32.0, 128 tiles 36.4 / 37.5 (block 0's key, selected by every
-# query, then has too few segments); benchmarks/results/selected_variants2_h200.log.
+# query, then has too few segments); benchmarks/results/selected/variants.md#selected_variants2.
 SEG_TILES = 64
 
 
@@ -103,7 +103,7 @@ def _fwd_rows(q, po, plse, pidx, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_
     # the chunk_size check in FMSASelectedAttentionFunction), widened to int64 only for
     # addresses; with the reciprocal below this took the kernel (before key groups) from 156 to
     # 142 registers at G=4 and from 200 to 142 at G=5 (3 programs per SM instead of 2),
-    # benchmarks/results/kernel_resources_sm90.md
+    # benchmarks/results/kernel_resources/latest.md
     b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids
     b_t = b_e // (HK * S)  # [BM] query tokens
     b_g = o_r % G
@@ -298,7 +298,7 @@ def fmsa_bwd_dkdv_kernel(
         # row tile's loads, where in the order of the math (dv before dp, dk before dq) the waits for
         # dp and dq also waited for them. Forward + backward at 64K: 24.07 / 24.05 against 24.15 ms at
         # G=4, 29.34 / 29.31 against 29.57 at G=5; both before the dq store (more spills): 24.54 /
-        # 30.00 (benchmarks/results/selected_variants10_h200.log, commit a8272cc's BWD_ACC_LAST).
+        # 30.00 (benchmarks/results/selected/variants.md#selected_variants10, commit a8272cc's BWD_ACC_LAST).
         b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
         b_dk += tl.dot(tl.trans(b_ds), b_q)
     b_dk = b_dk * scale
@@ -408,13 +408,13 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 # benchmark can time variants. FWD_TILES: row tiles per forward program, all of one key, so its
 # K/V are loaded once: 4 tiles took the forward from 10.37 to 9.35 ms at 64K G=4 and from 12.68
 # to 11.37 at G=5, against 2 consecutive tiles of any keys with K/V loaded per tile
-# (benchmarks/results/selected_variants4_h200.log; 8 tiles: 9.36 / 11.28).
+# (benchmarks/results/selected/variants.md#selected_variants4; 8 tiles: 9.36 / 11.28).
 FWD_BM, FWD_WARPS, FWD_STAGES, FWD_TILES = 64, 4, 2, 4
 # Register cap of the forward kernel: 128 fits 4 programs per SM instead of 3 (the compiler's
 # choice is 147 registers with key groups, 142 before), at the cost of a few spills. Measured
 # before key groups at 64K: 10.52 against 11.05 ms at G=4, 12.97 against 13.70 at G=5
-# (selected_variants_h200.log, fourth run); with them, uncapped 10.00 against 9.35 ms at G=4
-# and 11.87 against 11.37 at G=5 (selected_variants4_h200.log).
+# (selected/variants.md#selected_variants, fourth run); with them, uncapped 10.00 against 9.35 ms at G=4
+# and 11.87 against 11.37 at G=5 (selected/variants.md#selected_variants4).
 FWD_MAXNREG = 128
 # FWD_TMA (Hopper and later): the forward's partial outputs written tile by tile by TMA bulk copies
 # (asynchronous: a tile's write runs under the next tile's matmuls) in key order, each key's rows
@@ -422,8 +422,8 @@ FWD_MAXNREG = 128
 # by row from registers in entry order. BWD_TMA: the same for the dk/dv kernel's dq parts and the
 # dq reduction. At 64K on the H200: forward 8.10 against 8.28 / 8.31 ms at G=4, 9.99 against
 # 10.31 / 10.35 at G=5; forward + backward with both 21.61 against 22.31 / 22.22 ms at G=4, 26.76
-# against 27.48 / 27.38 at G=5, for 35 MiB more (benchmarks/results/selected_variants16_h200.log,
-# second run; the main kernel alone 5.50 against 5.70 ms at G=4, probe_sol_tma_h200.log). At 2
+# against 27.48 / 27.38 at G=5, for 35 MiB more (benchmarks/results/selected/variants.md#selected_variants16,
+# second run; the main kernel alone 5.50 against 5.70 ms at G=4, probes/results.md#probe_sol_tma). At 2
 # stages the staging tile leaves 3 programs per SM instead of 4: 8.96 ms.
 FWD_TMA = True
 FWD_TMA_STAGES = 1
@@ -431,7 +431,7 @@ BWD_TMA = True
 # BWD_STAGES: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
 # load ahead, so the next tile's q/do gather, double-buffered, needs no second round trip): forward +
 # backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5
-# (benchmarks/results/selected_variants6_h200.log; 1 stage: 25.90 / 33.31). It compiles for every
+# (benchmarks/results/selected/variants.md#selected_variants6; 1 stage: 25.90 / 33.31). It compiles for every
 # block size and head dim with the same registers and spills as 2 stages (kernel_resources.py).
 BWD_BM, BWD_WARPS, BWD_STAGES = 128, 8, 3
 # Register cap of the dk/dv kernel (0: none; the compiler then takes 255 at every tile size measured)
@@ -439,7 +439,7 @@ BWD_MAXNREG = 0
 # Warps of a merge program (one token, the G heads of one KV head: a [G, D] tile per slot). One
 # warp for G <= 8, where a program's 16 slot loads then take 16-byte vectors per thread: forward
 # at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
-# (15.21 against 15.48 with one); benchmarks/results/selected_variants5_h200.log. The dq
+# (15.21 against 15.48 with one); benchmarks/results/selected/variants.md#selected_variants5. The dq
 # reduction (same shape) measured the same with 1, 2 or 4 warps and keeps the default 4.
 MERGE_WARPS_SMALL_G = 1
 
@@ -522,8 +522,8 @@ def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: in
     heads would cover in fewer than HK chunks, keep all heads together: there per-head
     partitions only add launches. At 8K tokens and the 384 MiB budget of then (4 chunks with
     all heads, or 8 per-head partitions) the whole-NSA benchmark measured selected attention at
-    4.0 ms with all heads (nsa_h200_755b1ad.md's 8K row) against 5.9 ms per head
-    (nsa_h200_6c8eeb7.md's).
+    4.0 ms with all heads (nsa/variants.md#nsa_755b1ad's 8K row) against 5.9 ms per head
+    (nsa/variants.md#nsa_6c8eeb7's).
 
     ``heads`` (HK or 1) fixes the head count; the chunk is then the largest that fits.
     """

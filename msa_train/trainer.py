@@ -227,7 +227,7 @@ class Trainer:
             log.warning("parallel.offload_optimizer=true with parallel.optimizer=torch: torch's AdamW steps the "
                         "host-held state slowly (for 2B parameters on 16 cores a step took about 3 s longer than "
                         "with DeepSpeed's cpu_adam, whose own step took 0.83 s: "
-                        "benchmarks/results/phases_llama3_8b_4layers_h200.md); "
+                        "benchmarks/results/phases/breakdown.md); "
                         "parallel.optimizer=deepspeed selects cpu_adam (JIT-built on first use, needs a compiler)")
         self.engine, self.optimizer, self.lr_scheduler = build_engine(self.module, self.ds_config)
         # DeepSpeed's WarmupCosineLR starts at iteration -1, i.e. lr = 0 for the first step; start

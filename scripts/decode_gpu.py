@@ -11,7 +11,7 @@
    and the wall time per call of back-to-back calls (host included: one decoded token is host bound).
    Timing stops at the first failed check.
 
-    python scripts/decode_gpu.py --out benchmarks/results/decode_h200.json --profile benchmarks/results/decode_profile_h200.txt
+    python scripts/decode_gpu.py --out benchmarks/results/decode/latest.json --profile benchmarks/results/decode/profile.txt
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Triton compiles ahead of time for a named target; this script does that for the 
 benchmark (Llama3-8B G=4 and Qwen3-14B G=5, D=128) with the shipped launch settings, with
 pointer arguments marked 16-byte aligned as Triton's launcher marks them on the device, and
 reads the resource usage back with the cuobjdump that Triton's wheel carries. Under the device's
-Triton (3.6) it reproduces what Nsight Compute read there (benchmarks/results/ncu_nsa_64k_h200/):
+Triton (3.6) it reproduces what Nsight Compute read there (benchmarks/results/ncu/nsa_64k/):
 fmsa_fwd_kernel 156 registers and 49152 B of shared memory at G=4, fmsa_bwd_dkdv_kernel 255 and
 198144 B, select_blocks_kernel 168 and 77952 B (the kernels and settings of that profile).
 Occupancy follows: 65536 registers per SM.

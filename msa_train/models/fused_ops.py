@@ -7,7 +7,7 @@ concatenation over [B, H, T, D] views of [B, T, H, D] storage, which PyTorch's e
 do not vectorise. In a profiled 256K-token step of four Llama-3-8B layers the elementwise and
 reduction kernels outside the matmuls, attention and the loss (these, SwiGLU's, the residual adds,
 dtype copies) took 1.2 s of 7.8 s of device time
-(benchmarks/results/profile_llama3_8b_4layers_256k_h200_fmsa_fused.md). Here each of the three is
+(benchmarks/results/profile_step/fmsa.md). Here each of the three is
 one kernel that reads its input once and writes its output once:
 
 * RMSNorm (Llama, Qwen2, Qwen3, including Qwen3's per-head q/k norms): HF's arithmetic, the row in

@@ -136,7 +136,7 @@ def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # input and nothing else, and its backward recomputes each tile itself. So its output there is never
     # read (the layer's output is dropped, and the residual add after the MLP saves nothing): the same
     # save without the MLP's forward: one MLP forward less per layer and step (4 layers of Llama-3-8B
-    # shape at 256K: backward 6.59 -> 5.98 s, benchmarks/results/phases_llama3_8b_4layers_h200.md).
+    # shape at 256K: backward 6.59 -> 5.98 s, benchmarks/results/phases/breakdown.md).
     if self.skip_in_recompute and _RECOMPUTING.get():
         return _SavedInputOnly.apply(x)
     return TiledMLP.apply(_plain_mlp, self, x, tiles, list(self.parameters()))

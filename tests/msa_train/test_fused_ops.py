@@ -16,7 +16,7 @@ from tests.msa_train.test_models import SMALL_NSA, TINY
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # The comparisons with HF's code are 10x looser on CUDA, where they run through rounding the CPU
-# does not have (gpu_tests_fused_ops_tf32_h200.log): the NSA kernels' fp32 matmuls run in TF32
+# does not have (gpu_tests/runs.md#gpu_tests_fused_ops_tf32): the NSA kernels' fp32 matmuls run in TF32
 # (Triton's default), so a last-bit difference in their inputs moves a rounding by up to 2^-11
 # (logits 2.3e-5 apart on the H200), and the recipe trains in bf16, where the kernels round
 # differently from HF's code (RoPE and SwiGLU round once; gradient norms 1.7e-4 and 2.3e-4 apart).

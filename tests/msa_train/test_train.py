@@ -208,7 +208,7 @@ def test_fused_loss_trains_like_the_recomputed_one(tmp_path, stage, recipe):
     _, recomputed = train([*common, "train.loss_impl=recompute", f"train.output_dir={tmp_path / 'b'}"])
     # On CUDA the trainer runs in bf16, where the two forms round differently (the fused kernel's
     # fp32 softmax over the bf16 logits): the losses after the first step were up to 4.2e-5 apart
-    # on the H200 (benchmarks/results/gpu_tests_train_h200.log). The CPU bound stays 1e-5.
+    # on the H200 (benchmarks/results/gpu_tests/runs.md#gpu_tests_train). The CPU bound stays 1e-5.
     rel = 1e-4 if torch.cuda.is_available() else 1e-5
     assert [r["loss"] for r in fused] == pytest.approx([r["loss"] for r in recomputed], rel=rel)
     assert fused[-1]["loss"] < fused[0]["loss"] - 0.1

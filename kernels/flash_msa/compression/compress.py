@@ -27,9 +27,9 @@ The position encoding's share of the forward ([H, D] biases), of dpos ([H, l, D]
 
 Why hand-written: the PyTorch form (a gather of stride chunks, a batched matmul and index
 arithmetic, 20-odd elementwise and indexing kernels per call) took 5.4 ms for K and V forward +
-backward at 64K tokens (benchmarks/results/nsa_h200_6c8eeb7.md), against well under 1 ms of bytes;
+backward at 64K tokens (benchmarks/results/nsa/variants.md#nsa_6c8eeb7), against well under 1 ms of bytes;
 these kernels read x once per block it belongs to and write every output once
-(benchmarks/results/tune_h200_compress.log: 2.14 -> 1.05 ms per call at 64K, 6.69 -> 3.03 at 256K).
+(benchmarks/results/tune/variants.md#tune_compress: 2.14 -> 1.05 ms per call at 64K, 6.69 -> 3.03 at 256K).
 """
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def _tiles(device) -> dict:
     else:
         # without spills on sm_90 (scripts/kernel_resources.py); the forward's 3 stages took one of
         # k/v forward + backward from 1.05 to 0.98 ms at 64K and 3.68 to 3.40 at 256K
-        # (benchmarks/results/tune_h200_compress.log)
+        # (benchmarks/results/tune/variants.md#tune_compress)
         cfg = dict(fwd=(64, dict(num_warps=8, num_stages=3)), prep=(64, dict(num_warps=4, num_stages=1)),
                    dx=(32, dict(num_warps=4, num_stages=2)), dw=(64, dict(num_warps=8, num_stages=2)))
     return tuning.settings("compress", dict(cfg, dw_split_rows=1024, dw_max_splits=8))

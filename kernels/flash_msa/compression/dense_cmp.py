@@ -16,7 +16,7 @@ see nothing, get o = 0 and lse = -inf.
 This needs every sequence of the stream to have the same length L (a dense batch, or one
 sequence per stream): PyTorch's varlen cuDNN path (``cum_seq_q``) ran this shape 20x slower than
 the batched one and its gradients came back NaN in our calls (H200, torch 2.11, cuDNN 9.19;
-scripts/probe_cudnn_cmp.py, benchmarks/results/cmp_cudnn_probe_h200.json), and padding a packed
+a one-off probe, benchmarks/results/probes/results.md#cmp_cudnn_probe), and padding a packed
 stream to a batch would need its lengths on the host. Packed streams keep the Triton range
 kernels (window/window.py).
 
@@ -177,8 +177,8 @@ def copy_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for [B, H, S, D] views with a contiguous D, such as cuDNN's output into the
     query groups' view. Written by hand: PyTorch copies between these strided views with its
     generic elementwise kernel, 1.41 ms for the 12 copies (o, dq, lse) of one forward + backward
-    at 64K (benchmarks/results/profile_nsa_64k_h200_pre_copy_heads.log); this kernel takes 0.56 ms
-    for the 8 of o and dq (profile_nsa_64k_h200.log)."""
+    at 64K (benchmarks/results/profile/variants.md#profile_nsa_64k_pre_copy_heads); this kernel takes 0.56 ms
+    for the 8 of o and dq (profile/latest.log)."""
     B, H, S, D = dst.shape
     if src.shape != dst.shape or src.dtype != dst.dtype or dst.stride(3) != 1 or src.stride(3) != 1:
         raise ValueError(f"copy_heads takes two [B, H, S, D] tensors of one dtype with a contiguous D, "
@@ -214,8 +214,8 @@ def add_head_copies(dst: torch.Tensor, src: torch.Tensor) -> None:
     [B, J*H, S, D] with a contiguous D: cuDNN's dk / dv of the repeated KV heads of one call summed
     into the compressed keys' gradient. Written by hand: in PyTorch that is a strided reduction into
     an fp32 temporary and an add per tensor and call (at 64K on the H200 the strided bf16 reductions took
-    0.25 ms in 12 launches, benchmarks/results/profile_nsa_64k_h200_3d7bbd1.log); this reads src once and
-    dst once (0.15 ms in 8 launches, profile_nsa_64k_h200.log)."""
+    0.25 ms in 12 launches, benchmarks/results/profile/variants.md#profile_nsa_64k_3d7bbd1); this reads src once and
+    dst once (0.15 ms in 8 launches, profile/latest.log)."""
     B, H, S, D = dst.shape
     if (src.shape[0], src.shape[2:]) != (B, (S, D)) or src.shape[1] % H or dst.dtype != torch.float32 \
             or dst.stride(3) != 1 or src.stride(3) != 1:

@@ -15,7 +15,7 @@ blocks, up to the tile's last own block, and for each chunk:
    [BT, BC] probabilities are folded per block with two weight vectors and the spill shifted by
    one block; the spill of the chunk's last block into the next chunk's first is carried in
    registers. This replaced a [BC, NB] fp32 matmul in IEEE precision, on the CUDA cores: 5.83
-   against 6.93 ms at 64K, 90.8 against 107.4 at 256K (benchmarks/results/tune_h200_topk_fold.md);
+   against 6.93 ms at 64K, 90.8 against 107.4 at 256K (benchmarks/results/tune/variants.md#tune_topk_fold);
 3. forces block 0, the own block and the one before it (+inf), drops blocks after the own
    block, and merges the chunk into the running top-``NB`` list. Each (score, block) is one
    int32 key (``KEY32``): the score's float bits (scores are >= 0, so the bits order like the
@@ -31,9 +31,9 @@ blocks, up to the tile's last own block, and for each chunk:
    which the tests accept a near-tie. The exact form, one int64 key
    ``bits(score) << 32 | (2^31 - 1 - block)``, stays (``key32=False`` in ``flash_msa.tuning.override(topk=...)``): with
    the int32 keys the kernel had 36% fewer shuffles and 13% fewer instructions under Triton 3.6
-   (before PERM below; benchmarks/results/kernel_resources_sm90.md), and it went from 5.34 to
+   (before PERM below; benchmarks/results/kernel_resources/latest.md), and it went from 5.34 to
    5.05 ms at 64K and from 81.4 to 77.6 ms at 256K for G = 4, and from 6.01 to 5.77 ms for G = 5
-   (benchmarks/results/tune_h200_topk_key32.md), picking the same blocks on 99.96% of the rows
+   (benchmarks/results/tune/variants.md#tune_topk_key32), picking the same blocks on 99.96% of the rows
    (the others: near-ties). The running list and the chunk are merged with a bitonic network
    (sort the chunk ascending, take the elementwise max with the descending list, bitonic-merge),
    keeping the top NB. Two networks do this: ours (``_bitonic_sort``, ``_bitonic_merge_desc``)
@@ -54,12 +54,12 @@ two register and two lane bits. The spill shift is then done by splits and joins
 (``_shift_right``; a gather moved the rows to another layout), and the sort, the merge and
 ``KV`` keep that layout. Under Triton 3.6 this took the kernel from 5448 SASS instructions, 562
 shuffles, 153 shared-memory accesses and 100 spill instructions to 3944, 208, 77 and none
-(G = 4, benchmarks/results/kernel_resources_sm90.md), and top-k from 5.08 to 3.98 ms at 64K and
+(G = 4, benchmarks/results/kernel_resources/latest.md), and top-k from 5.08 to 3.98 ms at 64K and
 from 77.6 to 62.1 ms at 256K for G = 4, and from 5.81 to 4.70 ms for G = 5, the same blocks on all
 but 0.0004% (64K) and 0.0016% (256K) of the rows, near-ties of the fold's summation order
-(benchmarks/results/tune_h200_topk_perm2.md). Holding a whole row in one thread's registers
+(benchmarks/results/tune/variants.md#tune_topk_perm2). Holding a whole row in one thread's registers
 (the other permutation, with its lane bits replicated) lost: more instructions
-(tune_h200_topk_perm.md).
+(tune/variants.md#tune_topk_perm).
 
 At that layout the chunk's sort and the merge also take their stages in two forms (``HYBRID``,
 the GPU's default): along the row's two register bits by splits and joins with min/max inside a
@@ -70,7 +70,7 @@ direction, select). The fold adds the R = 4 offsets with constant weights (``_fo
 generic form multiplied by the zero and unit weights, which IEEE arithmetic does not fold away.
 Both sort the same keys and add in the same order, so the blocks are the same bit for bit: top-k
 went from 3.97 to 3.79 ms at 64K and from 64.0 to 59.0 ms at 256K for G = 4, 4.70 to 4.49 ms for
-G = 5 (benchmarks/results/tune_h200_topk_hybrid.md).
+G = 5 (benchmarks/results/tune/variants.md#tune_topk_hybrid).
 
 Only a tile's first chunk and its last one or two need step 1's visibility mask and step 3's
 forced and causal blocks: the chunks between, whose compressed rows every token of the tile sees
@@ -85,7 +85,7 @@ two merges then run in chunk order, so the blocks are the same bit for bit (an o
 joins the masked loop, whose masks are no-ops on it). The loop is latency bound: at 64K, with 3
 programs of 4 warps per SM, each scheduler issues about one instruction in five cycles (estimated
 from the loop's SASS instruction count and the kernel's time). Side by side in two runs
-(benchmarks/results/tune_h200_topk_pair.md, each kernel timed twice per run): 3.64-3.71 against
+(benchmarks/results/tune/variants.md#tune_topk_pair, each kernel timed twice per run): 3.64-3.71 against
 3.78-3.84 ms at 64K and 57.80-59.03 against 60.60-61.48 at 256K for G = 4, 4.31-4.40 against
 4.46-4.58 for G = 5, at 27 spill instructions under the 168-register cap (none without the pairs) and
 64 KB of shared memory (48 KB), still 3 programs per SM; caps of 200 and 255 registers (2 programs
@@ -365,7 +365,7 @@ def _chunk_keys(b_sc, j0, m_t, own, o_nb, BT: tl.constexpr, NB: tl.constexpr, LO
     if MASK:  # blocks after the own block, and tokens past the sequence
         b_key = tl.where((o_j[None, :] <= own[:, None]) & m_t[:, None], b_key, -1)
     # merge, first half: the chunk sorted ascending. Triton's network: 2-3 layout conversions
-    # instead of 25-26 (kernel_resources_sm90.md)
+    # instead of 25-26 (kernel_resources/latest.md)
     if HYBRID:
         b_key = _sort_hybrid(b_key, BT, LOG_NB, LOG_BT, 2)
     elif TL_SORT:
@@ -647,7 +647,7 @@ def pair_flag(cfg: dict) -> bool:
 
 def _launch(device) -> dict:
     """Tokens per program, the sort network, launch options; the same for every G
-    (tune_h200_topk_sort.md measured G=4 and 5). One matmul per head: the heads stacked into one
+    (tune/variants.md#tune_topk_sort measured G=4 and 5). One matmul per head: the heads stacked into one
     [BT*G, D] matmul (G padded to a power of two) lost on the GPU (below) and that variant is gone."""
     if device.type != "cuda":
         # our network under the CPU interpreter: Triton's runs 7.7x slower there (181 against 24 s
@@ -656,21 +656,21 @@ def _launch(device) -> dict:
         # with the number of programs (one top-k test, 4300 tokens: 59 s at 16 tokens, 31 at 32,
         # 16 at 64), and the tests then run the tile the GPU runs
         return dict(BT=64, key32=True, pair=True, opts={})
-    # benchmarks/results/tune_h200_topk_sort.md: Triton's sort network with 64 tokens per program,
+    # benchmarks/results/tune/variants.md#tune_topk_sort: Triton's sort network with 64 tokens per program,
     # one matmul per head, wins at every group size measured: 8.05 ms against 8.49 (our network,
     # stacked heads) at 64K and 123.3 against 130.3 at 256K for G=4; 8.57 against 9.80 at 64K for
-    # G=5 (tune_h200_qwen3_topk_sort.json). Capped at 160 registers (197 uncapped) it runs 3
+    # G=5 (tune/variants.md#tune_qwen3_topk_sort). Capped at 160 registers (197 uncapped) it runs 3
     # programs per SM instead of 2, at 12 spill instructions: 7.17 against 8.09 ms at 64K and
-    # 108.5 against 123.3 at 256K for G=4, 7.93 against 8.64 for G=5 (tune_h200_topk_maxnreg.md).
+    # 108.5 against 123.3 at 256K for G=4, 7.93 against 8.64 for G=5 (tune/variants.md#tune_topk_maxnreg).
     # With int32 keys a 168-register cap (still 3 programs per SM) beats 160 by about 1%: 5.05
     # against 5.10 ms at 64K and 77.6 against 78.2 at 256K for G=4, 5.77 against 5.83 for G=5
-    # (tune_h200_topk_key32.md); with PERM and KV (module docstring) 168 beats 160 by 1-2%: 3.98
+    # (tune/variants.md#tune_topk_key32); with PERM and KV (module docstring) 168 beats 160 by 1-2%: 3.98
     # against 4.02 ms at 64K, 62.1 against 63.2 at 256K, 4.70 against 4.77 for G=5
-    # (tune_h200_topk_perm2.md)
+    # (tune/variants.md#tune_topk_perm2)
     # The hybrid network and the constant-weight fold (module docstring) took 3.97 -> 3.79 ms at 64K
-    # and 64.0 -> 59.0 at 256K for G=4, 4.70 -> 4.49 for G=5, the same blocks (tune_h200_topk_hybrid.md)
+    # and 64.0 -> 59.0 at 256K for G=4, 4.70 -> 4.49 for G=5, the same blocks (tune/variants.md#tune_topk_hybrid)
     # The interior chunks two at a time (pair, module docstring): 3.64-3.71 against 3.78-3.84 ms at
     # 64K and 57.80-59.03 against 60.60-61.48 at 256K for G=4, 4.31-4.40 against 4.46-4.58 for G=5 (two
-    # runs), the same blocks; other register caps and stages lost (tune_h200_topk_pair.md)
+    # runs), the same blocks; other register caps and stages lost (tune/variants.md#tune_topk_pair)
     return dict(BT=64, tl_sort=True, key32=True, hybrid=True, pair=True,
                 opts=dict(num_warps=4, num_stages=2, maxnreg=168))

@@ -104,7 +104,7 @@ def _fwd_rows(q, po, plse, pidx, entry_ids, b_k, b_v, o_k, o_r, n_rows, i_e0, i_
     # the chunk_size check in FMSASelectedAttentionFunction), widened to int64 only for
     # addresses; with the reciprocal below this took the kernel (before key groups) from 156 to
     # 142 registers at G=4 and from 200 to 142 at G=5 (3 programs per SM instead of 2),
-    # benchmarks/results/kernel_resources_sm90.md
+    # benchmarks/results/kernel_resources/latest.md
     b_e = tl.load(entry_ids + i_e0 + o_r // G, mask=m_r, other=0)  # [BM] entry ids
     b_t = b_e // (HK * S)  # [BM] query tokens
     b_g = o_r % G
@@ -299,7 +299,7 @@ def fmsa_bwd_dkdv_kernel(
         # row tile's loads, where in the order of the math (dv before dp, dk before dq) the waits for
         # dp and dq also waited for them. Forward + backward at 64K: 24.07 / 24.05 against 24.15 ms at
         # G=4, 29.34 / 29.31 against 29.57 at G=5; both before the dq store (more spills): 24.54 /
-        # 30.00 (benchmarks/results/selected_variants10_h200.log, commit a8272cc's BWD_ACC_LAST).
+        # 30.00 (benchmarks/results/selected/variants.md#selected_variants10, commit a8272cc's BWD_ACC_LAST).
         b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
         b_dk += tl.dot(tl.trans(b_ds), b_q)
     b_dk = b_dk * scale
@@ -420,13 +420,13 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 # by row from registers in entry order. bwd_tma: the same for the dk/dv kernel's dq parts and the
 # dq reduction. At 64K on the H200: forward 8.10 against 8.28 / 8.31 ms at G=4, 9.99 against
 # 10.31 / 10.35 at G=5; forward + backward with both 21.61 against 22.31 / 22.22 ms at G=4, 26.76
-# against 27.48 / 27.38 at G=5, for 35 MiB more (benchmarks/results/selected_variants16_h200.log,
-# second run; the main kernel alone 5.50 against 5.70 ms at G=4, probe_sol_tma_h200.log). At 2
+# against 27.48 / 27.38 at G=5, for 35 MiB more (benchmarks/results/selected/variants.md#selected_variants16,
+# second run; the main kernel alone 5.50 against 5.70 ms at G=4, probes/results.md#probe_sol_tma). At 2
 # stages the staging tile leaves 3 programs per SM instead of 4: 8.96 ms.
 # bwd_stages: 3 software-pipeline stages for the dk/dv loop (the entry ids of the row tile after next
 # load ahead, so the next tile's q/do gather, double-buffered, needs no second round trip): forward +
 # backward at 64K 24.22 against 25.92 ms (2 stages) at G=4, 29.65 against 30.33 at G=5
-# (benchmarks/results/selected_variants6_h200.log; 1 stage: 25.90 / 33.31). It compiles for every
+# (benchmarks/results/selected/variants.md#selected_variants6; 1 stage: 25.90 / 33.31). It compiles for every
 # block size and head dim with the same registers and spills as 2 stages (kernel_resources.py).
 # bwd_maxnreg, the register cap of the dk/dv kernel (0: none; the compiler then takes 255 at every
 # tile size measured).
@@ -527,8 +527,8 @@ def default_partition(T: int, HQ: int, HK: int, S: int, D: int, element_size: in
     heads would cover in fewer than HK chunks, keep all heads together: there per-head
     partitions only add launches. At 8K tokens and the 384 MiB budget of then (4 chunks with
     all heads, or 8 per-head partitions) the whole-NSA benchmark measured selected attention at
-    4.0 ms with all heads (nsa_h200_755b1ad.md's 8K row) against 5.9 ms per head
-    (nsa_h200_6c8eeb7.md's).
+    4.0 ms with all heads (nsa/variants.md#nsa_755b1ad's 8K row) against 5.9 ms per head
+    (nsa/variants.md#nsa_6c8eeb7's).
 
     ``heads`` (HK or 1) fixes the head count; the chunk is then the largest that fits.
     """

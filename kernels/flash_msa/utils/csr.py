@@ -141,7 +141,7 @@ def entry_keys(block_indices: torch.Tensor, meta: BlockMeta, chunk_size: int, lo
     entry of ``block_indices`` [T, HK, S], ``num_keys`` for an invalid one (:func:`valid_entries`);
     with ``short`` as int16, shifted by -2^15. One Triton kernel on the GPU (written by hand: the same
     in PyTorch is about ten elementwise passes over the T * HK * S entries, 0.2 ms at 64K on the H200,
-    benchmarks/results/profile_nsa_by_op_64k_h200_a17dfc8.log); the PyTorch form on the CPU."""
+    benchmarks/results/profile/variants.md#profile_nsa_by_op_64k_a17dfc8); the PyTorch form on the CPU."""
     T, HK, S = block_indices.shape
     NB = meta.num_blocks
     num_keys = _num_keys(T, HK, NB, chunk_size)
@@ -196,7 +196,7 @@ def build_selection_csr(block_indices: torch.Tensor, meta: BlockMeta, chunk_size
     if num_keys >= 2 ** 31 or T * HK * S >= 2 ** 31:
         raise ValueError(f"T * HK * S = {T * HK * S} entries is too large for int32 indices (must be < 2^31)")
     # keys and the invalid mark fit 16 bits: a radix sort of int16 keys takes half the passes
-    # (8.4M entries at 64K: 0.25 against 0.41 ms on the H200, selected_variants5_h200.log)
+    # (8.4M entries at 64K: 0.25 against 0.41 ms on the H200, selected/variants.md#selected_variants5)
     short = num_keys < SHORT_KEYS_BELOW
     key = entry_keys(block_indices, meta, chunk_size, local, short)
     bounds = torch.arange(num_keys + 1, device=device, dtype=torch.int32)

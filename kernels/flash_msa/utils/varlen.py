@@ -20,7 +20,7 @@ def default_cu_seqlens(B: int, T: int, device: torch.device) -> torch.Tensor:
     metadata :func:`flash_msa.utils.cache.per_batch` derives from cu_seqlens is then computed
     once for all layers and calls of a dense batch, as for a packed batch's own cu_seqlens. A
     fresh tensor per call cost the whole NSA op about 190 small kernels and their launches per
-    call at 8K (benchmarks/results/nsa_host_h200.md). Treat it as read-only; an in-place write is
+    call at 8K (benchmarks/results/nsa/variants.md#nsa_host). Treat it as read-only; an in-place write is
     seen (``_version``) and the next call makes a new one. A fresh tensor every time inside
     ``torch.inference_mode`` (an inference tensor cannot be reused outside it, and per_batch does
     not cache them) and during CUDA graph capture (a captured tensor is filled only on replay).

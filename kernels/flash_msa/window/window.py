@@ -361,9 +361,9 @@ def range_attn_bwd_dkdv_kernel(
 # program's query rows from the last down (_tiles adds it to the dk/dv launch options unless the
 # entry sets it). Before (rows
 # upwards, head after head), compressed attention's dk/dv read q/do at a 4% L2 hit rate
-# (benchmarks/results/ncu_nsa_64k_h200/range_attn_bwd_dkdv_kernel.txt), and at 64K its 512
+# (Nsight Compute on the H200), and at 64K its 512
 # programs of falling length ran head after head, the longest of the last heads last. Whole
-# backward, H200 bf16 (benchmarks/results/tune_h200_dkdv_schedule.md), before -> now: compressed
+# backward, H200 bf16 (benchmarks/results/tune/variants.md#tune_dkdv_schedule), before -> now: compressed
 # 20.88 -> 15.84 ms at 64K and 262.7 -> 251.6 at 256K; the window, whose key tiles see equal
 # short ranges, gains only from the tile-major order (rows downwards cost it 6% at 256K):
 # 5.41 -> 5.10 ms at 64K, 22.06 -> 20.75 at 256K.
@@ -372,7 +372,7 @@ def range_attn_bwd_dkdv_kernel(
 # in one loop per kernel. Three loop parts like the rest (unmasked tiles inside; with dk/dv's ds as
 # (p + p2) dp - (p delta + p2 delta2)) measured the same whole op at 64K: 54.7 against 54.5 ms
 # (Llama3-8B), 68.1 against 68.1 (Qwen3-14B), the window dq kernel 2.80 against 2.67 ms
-# (commit e8488f2: benchmarks/results/nsa_local_h200_e8488f2.md, profile_nsa_64k_local_h200_e8488f2.log).
+# (commit e8488f2: benchmarks/results/nsa/variants.md#nsa_local_e8488f2, profile/variants.md#profile_nsa_64k_local_e8488f2).
 
 # Launch settings of op "range_attention" (flash_msa.tuning): per kernel "fwd" | "dq" | "dkdv" a
 # (BM, BN, launch options) entry, and "desc" {kind: bool}, the dk/dv row order. An override
@@ -392,16 +392,16 @@ def _tiles(D: int, device, kind: str, local: bool = False) -> dict:
     elif BD <= 64:
         cfg = dict(fwd=(128, 64, dict(num_warps=4, num_stages=3)), dq=(128, 64, dict(num_warps=8, num_stages=2)),
                    dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
-    elif kind == "cmp":  # D=128, benchmarks/results/tune_h200.md (64K and 256K agree)
+    elif kind == "cmp":  # D=128, benchmarks/results/tune/latest.md (64K and 256K agree)
         cfg = dict(fwd=(128, 64, dict(num_warps=8, num_stages=3)), dq=(64, 64, dict(num_warps=4, num_stages=2)),
                    dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
     else:  # the window, D=128, same sweep
         cfg = dict(fwd=(128, 32, dict(num_warps=4, num_stages=3)), dq=(128, 64, dict(num_warps=8, num_stages=3)),
                    dkdv=(64, 64, dict(num_warps=4, num_stages=2)))
         if local:  # with the local blocks, 64-row dq tiles (tune_nsa.py --ops window_local,
-            # benchmarks/results/tune_h200_window_local.md): the window's backward at 64K 5.61
+            # benchmarks/results/tune/variants.md#tune_window_local): the window's backward at 64K 5.61
             # against 5.89 ms (Llama3-8B), 6.94 against 7.52 (Qwen3-14B); without them the two
-            # tiles are even (5.39 / 5.35 ms, tune_h200.md)
+            # tiles are even (5.39 / 5.35 ms, tune/latest.md)
             cfg["dq"] = (64, 64, dict(num_warps=4, num_stages=2))
     cfg = dict(tuning.settings("range_attention", dict(cfg, desc=desc)))
     bm, bn, opts = cfg["dkdv"]

@@ -209,7 +209,7 @@ def compression_slots(cu_seqlens: torch.Tensor, T: int, block: int, stride: int)
 # dW / dproj's reduction over compressed rows takes one split per dw_split_rows rows, at most
 # dw_max_splits (partials of splits * H * l * D * D fp32: 64 MiB at 4 splits, 8 KV heads, l=32,
 # D=128; 128 MiB at 8). 8 rather than 4 since the pipelined dW kernel: one of k/v forward + backward
-# at 256K 2.31 against 2.40 ms (benchmarks/results/tune_h200_compress2.md); from 128K on.
+# at 256K 2.31 against 2.40 ms (benchmarks/results/tune/variants.md#tune_compress2); from 128K on.
 # An override (flash_msa.tuning.override(compress=...)) replaces whole entries (tests and
 # scripts/tune_nsa.py use it).
 tuning.register("compress", ("fwd", "prep", "dx", "dw", "dw_split_rows", "dw_max_splits"))

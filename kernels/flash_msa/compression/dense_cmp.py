@@ -56,7 +56,7 @@ LSE_CLAMP = 1e30  # stands for +inf (a zero gate) in the lse given to the backwa
 # the repeated KV heads: about 5 bytes per byte of q in one call) is split over calls that each take
 # at most offsets_per_call of a group's d token offsets (query heads [c*J*HQ, (c+1)*J*HQ)). At 4 of 16,
 # the whole op's peak memory equals the Triton path's at 64K and 256K (1 call: +2.2 and +9 GB; 8
-# or 16 calls: up to 2.6 ms slower at 64K; benchmarks/results/tune_dense_cmp_h200.json).
+# or 16 calls: up to 2.6 ms slower at 64K; benchmarks/results/probes/results.md#tune_dense_cmp).
 # chunks (None: from offsets_per_call) fixes the number of calls.
 SETTINGS = MappingProxyType(dict(backend="auto", min_groups=2000, offsets_per_call=4, chunks=None))
 tuning.register("dense_cmp", SETTINGS)

@@ -61,13 +61,13 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (half the partitions): forward + backward 22.61 against 24.12 / 24.05 ms at G=4 (656 against 385
 # MiB extra), 27.71 against 29.31 / 29.30 at G=5 (796 against 457 MiB); twice that again (one chunk
 # per KV head) 21.92 and 27.19 ms at 1200 and 1476 MiB, past the 1 GB the API promises at 64K
-# (benchmarks/results/selected_variants11_h200.log). Past 128K, twice the 6 KiB per token gained
+# (benchmarks/results/selected/variants.md#selected_variants11). Past 128K, twice the 6 KiB per token gained
 # about 1% of the whole op at 256K (429.3 against 431.7 / 433.9 ms) for 1 GB more (nsa_budget_h200_37ca19b.md).
 # (LAUNCH: partial_budget, partial_budget_per_token)
 # Backward segments: tiles of BM rows per program (longer keys are split, then reduced).
 # With per-head partitions at 64K, fwd+bwd at G=4 / G=5: 16 tiles 29.0 / 33.8 ms, 32 tiles
 # 27.9 / 32.5, 64 tiles 27.4 / 32.0, 128 tiles 36.4 / 37.5 (block 0's key, selected by every
-# query, then has too few segments); benchmarks/results/selected_variants2_h200.log. (LAUNCH: seg_tiles)
+# query, then has too few segments); benchmarks/results/selected/variants.md#selected_variants2. (LAUNCH: seg_tiles)
 
 
 @triton.jit
@@ -408,7 +408,7 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 # Launch settings (measured on H200, docs/selected_attention.md), in LAUNCH below.
 # fwd_tiles: row tiles per forward program, all of one key, so its K/V are loaded once: 4 tiles
 # took the forward from 10.37 to 9.35 ms at 64K G=4 and from 12.68 to 11.37 at G=5, against 2 consecutive tiles of any keys with K/V loaded per tile
-# (benchmarks/results/selected_variants4_h200.log; 8 tiles: 9.36 / 11.28).
+# (benchmarks/results/selected/variants.md#selected_variants4; 8 tiles: 9.36 / 11.28).
 # fwd_maxnreg, the register cap of the forward kernel: 128 fits 4 programs per SM instead of 3
 # (the compiler's choice is 147 registers with key groups, 142 before), at the cost of a few spills. Measured
 # before key groups at 64K: 10.52 against 11.05 ms at G=4, 12.97 against 13.70 at G=5
@@ -433,7 +433,7 @@ def attention_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 # merge_warps_small_g, the warps of a merge program (one token, the G heads of one KV head: a
 # [G, D] tile per slot). One warp for G <= 8, where a program's 16 slot loads then take 16-byte
 # vectors per thread: forward at 64K 8.91 against 9.34 ms (4 warps) at G=4, 10.98 against 11.29 at G=5; at G=16, 4 warps
-# (15.21 against 15.48 with one); benchmarks/results/selected_variants5_h200.log. The dq
+# (15.21 against 15.48 with one); benchmarks/results/selected/variants.md#selected_variants5. The dq
 # reduction (same shape) measured the same with 1, 2 or 4 warps and keeps the default 4.
 LAUNCH = MappingProxyType(dict(
     fwd_bm=64, fwd_warps=4, fwd_stages=2, fwd_tiles=4, fwd_maxnreg=128, fwd_tma=True, fwd_tma_stages=1,

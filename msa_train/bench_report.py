@@ -29,8 +29,35 @@ ARMS = ("full", "nsa", "fmsa")
 # Memory options of the "same options" comparison: what the full arm needs to fit at 128K on one H200.
 SAME_OPTIONS = ("parallel=zero2", "parallel.activation_checkpointing=true", "parallel.tile_tokens=32768",
                 "parallel.offload_optimizer=true", "parallel.optimizer=deepspeed")
-# Each arm at its fastest options that fit: the same without recomputation where memory allows.
-FAST_OPTIONS = ("parallel=zero2", "parallel.offload_optimizer=true", "parallel.optimizer=deepspeed")
+# Each arm at its fastest options that fit: the first of these, fastest first, that the planner says
+# fits the GPU at the model's full depth (the same options then run at every depth of its fit).
+FAST_CANDIDATES = (
+    ("parallel=zero2", "parallel.activation_checkpointing=false"),
+    ("parallel=zero2", "parallel.activation_checkpointing=false", "parallel.offload_optimizer=true",
+     "parallel.optimizer=deepspeed"),
+    ("parallel=zero2", "parallel.activation_checkpointing=true", "parallel.offload_optimizer=true",
+     "parallel.optimizer=deepspeed"),
+    SAME_OPTIONS,
+    (*SAME_OPTIONS, "parallel.offload_activations=true"),
+)
+
+
+def fastest_options(point: "Point", fits: Callable[[List[str]], bool]) -> Tuple[str, ...]:
+    """The first of FAST_CANDIDATES for which ``fits(overrides at full depth)`` holds (else the last)."""
+    full = SHAPES.get(point.model, point.layers)
+    base = [f"model={point.model}", f"model.hf_config.num_hidden_layers={full}", f"attention={point.attention}",
+            f"train.seq_len={point.seq_len}"]
+    for cand in FAST_CANDIDATES:
+        if fits([*base, *cand]):
+            return cand
+    return FAST_CANDIDATES[-1]
+
+
+def planner_fits(overrides: List[str]) -> bool:
+    from msa_train.cli import compose
+    from msa_train.parallel.planner import plan_of_config
+
+    return plan_of_config(compose(["recipe=llama3_8b_64k", "data=generated", *overrides])).fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,8 +260,8 @@ def write_report(rows: List[Dict], out: Path, meta: Dict) -> None:
 
 
 # ----------------------------------------------------------------------- running a point
-def point_overrides(point: Point, recipe: str = "llama3_8b_64k") -> List[str]:
-    opts = SAME_OPTIONS if point.options == "same" else FAST_OPTIONS
+def point_overrides(point: Point, fits: Callable[[List[str]], bool] = planner_fits) -> List[str]:
+    opts = SAME_OPTIONS if point.options == "same" else fastest_options(point, fits)
     return [f"model={point.model}", f"model.hf_config.num_hidden_layers={point.layers}", "train.phase_times=true",
             *opts]
 
@@ -243,13 +270,14 @@ def measure_point(point: Point, steps: int, warmup: int, timeout: int, workdir: 
     """One point as a fresh process (bench.run_point); its step time, peak memory, phases and kernels."""
     from msa_train import bench
 
-    p = bench.run_point("llama3_8b_64k", point.attention, point.seq_len, steps, point_overrides(point), workdir,
-                        timeout)
+    overrides = point_overrides(point)
+    p = bench.run_point("llama3_8b_64k", point.attention, point.seq_len, steps, overrides, workdir, timeout)
     tps = bench.summarise(p, warmup)
     phases = bench.phase_means(p, warmup) or {}
     ran = bench.what_ran(point.attention, device)
     row = {"ok": p["ok"], "error": p.get("error"), "peak_memory_gb": p.get("peak_memory_gb"),
-           "step_s": point.seq_len / tps if tps else None, "impl": ran["impl"], "device": device}
+           "step_s": point.seq_len / tps if tps else None, "impl": ran["impl"], "device": device,
+           "overrides": overrides}
     if point.attention == "full":
         row["dense_kernel"] = ran["impl"]
     if phases:  # the layers, attention and the loss together (train.phase_times times no finer)

@@ -91,3 +91,19 @@ def test_the_benchmark_writes_under_runs_and_labels_what_ran(tmp_path, monkeypat
     bench.write_outputs(result, tmp_path / "e2e")
     md = (tmp_path / "e2e.md").read_text()
     assert "max RSS" in md and "max_memory_allocated" not in md and "PyTorch reference" in md
+
+
+def test_fastest_options_are_the_first_the_planner_fits_at_full_depth():
+    seen = []
+
+    def fits(overrides):  # a fake planner: only with the optimizer state on the host
+        seen.append(overrides)
+        return "parallel.offload_optimizer=true" in overrides
+
+    point = Point("llama3_8b", "fmsa", 65536, 4, "fastest")
+    over = bench_report.point_overrides(point, fits)
+    assert over[:2] == ["model=llama3_8b", "model.hf_config.num_hidden_layers=4"]
+    assert "parallel.activation_checkpointing=false" in over and "parallel.offload_optimizer=true" in over
+    assert all("model.hf_config.num_hidden_layers=32" in o for o in seen)  # chosen at full depth
+    same = bench_report.point_overrides(Point("llama3_8b", "full", 65536, 4, "same"), fits)
+    assert set(bench_report.SAME_OPTIONS) <= set(same)

@@ -6,8 +6,14 @@
 Every (attention, seq_len) point is a fresh ``msa-train`` process (no state shared between points)
 with the given recipe, on the generated corpus with documents as long as the sequence unless
 other data overrides follow ``--``. Tokens/s is the mean over the steps after ``--warmup``.
-Writes ``benchmarks/results/e2e_<recipe>_<device>.json``, a markdown table beside it, and a PNG
-(tokens/s and speedup over attention=full) when matplotlib is installed.
+Writes ``<out>.json``, a markdown table beside it, and a PNG (tokens/s and speedup over
+attention=full) when matplotlib is installed; ``--out`` defaults to ``runs/bench/e2e_<recipe>_<device>``
+under the working directory (never the source tree). Each point says what ran: the device, the
+dense kernel of attention=full, and whether nsa/fmsa ran their Triton kernels or, off CUDA, the
+PyTorch reference.
+
+Subcommands (msa_train/bench_report.py): ``report`` (the full-depth end-to-end grid, resumable),
+``longest`` (the longest trainable sequence), ``plan-check`` (the memory planner against measured peaks).
 """
 from __future__ import annotations
 
@@ -116,6 +122,34 @@ def phase_means(point: Dict, warmup: int) -> Optional[Dict[str, float]]:
     return {k: sum(r[k] for r, _ in timed) / steps for k in PHASES}
 
 
+def default_stem(recipe: str, tag: str) -> Path:
+    """Where a user's benchmark writes when ``--out`` is not given: under ``runs/`` of the working directory."""
+    return Path("runs") / "bench" / f"e2e_{recipe}_{tag}"
+
+
+def what_ran(attention: str, device: str, bf16: bool = True) -> Dict[str, str]:
+    """The kernels an arm runs on ``device`` ("cpu" or a GPU name): for attention=full the dense kernel
+    of a one-document and of a packed row (models/attention.py's routing), for nsa/fmsa the Triton
+    kernels on CUDA and the PyTorch reference elsewhere (models/attention.py's nsa backend)."""
+    import torch
+
+    from msa_train.models.attention import dense_kernel_name
+
+    cuda = device != "cpu"
+    dtype = torch.bfloat16 if (cuda and bf16) else torch.float32
+    if attention == "full":
+        one, packed = dense_kernel_name(cuda, dtype, 1), dense_kernel_name(cuda, dtype, 2)
+        return {"device": device, "impl": f"{one} (one document a row) / {packed} (packed rows)"}
+    impl = f"flash_msa Triton kernels (selected attention: {attention})" if cuda else \
+        "PyTorch reference (flash_msa naive.py: no Triton kernels off CUDA; not a speed measurement)"
+    return {"device": device, "impl": impl}
+
+
+def memory_label(device: str) -> str:
+    return ("Peak host memory of the process (GiB, max RSS: there is no device memory on CPU)" if device == "cpu"
+            else "Peak device memory (GiB, torch.cuda.max_memory_allocated)")
+
+
 def write_outputs(result: Dict, stem: Path) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
@@ -138,9 +172,11 @@ def write_outputs(result: Dict, stem: Path) -> None:
         base = tps.get("full")
         speed = [f"{tps[a] / base:.2f}x" if (tps[a] and base) else "-" for a in atts if a != "full"]
         lines.append("| " + " | ".join([f"{T:,}", *map(str, cells), *speed]) + " |")
+    lines += ["", f"What ran on {result['device']}:", ""]
+    lines += [f"- {a}: {what_ran(a, result['device'])['impl']}" for a in atts]
     peaks = {key: p.get("peak_memory_gb") for key, p in table.items()}
     if any(peaks.values()):
-        lines += ["", "Peak device memory (GiB, torch.cuda.max_memory_allocated) of each point:", "",
+        lines += ["", f"{memory_label(result['device'])} of each point:", "",
                   "| seq_len | " + " | ".join(atts) + " |", "|---" * (1 + len(atts)) + "|"]
         lines += [f"| {T:,} | " + " | ".join(f"{peaks[(a, T)]:.1f}" if peaks.get((a, T)) else "-" for a in atts) + " |"
                   for T in lens]
@@ -198,6 +234,10 @@ def write_outputs(result: Dict, stem: Path) -> None:
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("report", "longest", "plan-check"):
+        from msa_train import bench_report
+
+        return bench_report.main(argv)
     extra: List[str] = []
     if "--" in argv:
         i = argv.index("--")
@@ -211,7 +251,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--timeout", type=int, default=1800, help="seconds per point")
     p.add_argument("--nproc", type=int, default=1, help="processes per point (torchrun on this host), e.g. for "
                    "parallel.sp_degree; tokens/s is then the whole run's")
-    p.add_argument("--out", default=None, help="output path stem (default benchmarks/results/e2e_<recipe>_<device>)")
+    p.add_argument("--out", default=None, help="output path stem (default runs/bench/e2e_<recipe>_<device>)")
     args = p.parse_args(argv)
     import torch
 
@@ -221,8 +261,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     lens = [int(x) for x in args.seq_lens.split(",")]
     points = []
     result = {"recipe": args.recipe, "device": device, "attention": atts, "seq_lens": lens, "steps": args.steps,
-              "warmup": args.warmup, "nproc": args.nproc, "extra_overrides": extra, "points": points}
-    stem = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"e2e_{args.recipe}_{tag}"
+              "warmup": args.warmup, "nproc": args.nproc, "extra_overrides": extra, "points": points,
+              "ran": {a: what_ran(a, device) for a in atts}, "memory": memory_label(device)}
+    stem = Path(args.out) if args.out else default_stem(args.recipe, tag)
     with tempfile.TemporaryDirectory() as tmp:
         for T in lens:
             for a in atts:

@@ -89,6 +89,10 @@ def run(cfg) -> dict:
 
     typed = to_typed(cfg)  # every __post_init__ check runs here, before any work
     _quiet_libraries()
+    if typed.train.plan:  # the memory planner: no GPU touched, no weights built
+        from msa_train.parallel.planner import print_plan
+
+        return print_plan(typed).to_dict()
     try:
         summary = Trainer(typed).run()
     except torch.OutOfMemoryError as e:  # same type and message, plus what to turn on

@@ -172,11 +172,16 @@ class TrainConfig:
     objective: str = "lm"                # lm (next-token loss: pretraining, SFT) | dpo (preference pairs)
     dpo_beta: float = 0.1                # DPO's beta: scale of the implicit reward
     deterministic: bool = False          # NSA's compressed attention on the bitwise deterministic Triton kernels, not cuDNN
+    # memory planner (msa_train/parallel/planner.py): plan=true prints the predicted per-GPU peak and exits
+    plan: bool = False
+    plan_world_size: int = 0             # GPUs the plan is for; 0 = parallel.sp_degree
+    plan_gpu_gb: Optional[float] = None  # GiB per GPU; None = the visible GPU's, else an H200's (139)
+    plan_check: bool = True              # refuse, before building, a run the planner says cannot fit
 
     def __post_init__(self):
         for key in ("steps", "seq_len", "grad_accum", "log_every", "loss_chunk_tokens"):
             _at_least(f"train.{key}", getattr(self, key), 1, "an integer >= 1")
-        for key in ("warmup_steps", "save_every", "keep_checkpoints", "profile_step"):
+        for key in ("warmup_steps", "save_every", "keep_checkpoints", "profile_step", "plan_world_size"):
             _at_least(f"train.{key}", getattr(self, key), 0, "an integer >= 0")
         if not self.lr > 0:
             raise ValueError(f"train.lr={self.lr!r} is not allowed; expected a positive float")
@@ -189,6 +194,8 @@ class TrainConfig:
         _choice("train.objective", self.objective, OBJECTIVES)
         _choice("train.loss_impl", self.loss_impl, LOSS_IMPLS)
         _choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        if self.plan_gpu_gb is not None and not self.plan_gpu_gb > 0:
+            raise ValueError(f"train.plan_gpu_gb={self.plan_gpu_gb!r} is not allowed; expected a positive number of GiB")
         if not self.dpo_beta > 0:
             raise ValueError(f"train.dpo_beta={self.dpo_beta!r} is not allowed; expected a positive float")
         _choice("train.device", self.device, DEVICES)

@@ -108,6 +108,14 @@ def check_eval_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> N
                          "export with model.path=<run>/hf instead, under any settings")
 
 
+def format_count(n: int) -> str:
+    """A parameter count for people: 15.1B, 124M, 3.2K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 class Trainer:
     """torchtitan-style trainer: ``__init__`` is the ordered list of ``_build_*`` steps."""
 
@@ -176,9 +184,15 @@ class Trainer:
         # Meta-device dry run first: a bad model config fails here, before any memory is allocated.
         self.n_params, self.n_matmul = count_parameters(cfg.model, cfg.attention)
         if self.dist.is_main:
-            log.info("model: %s (%s), %.3gM parameters, attention=%s, ZeRO-%d, %s on %s x%d",
-                     cfg.model.name, cfg.model.model_type, self.n_params / 1e6, cfg.attention.name,
+            log.info("model: %s (%s), %s parameters, attention=%s, ZeRO-%d, %s on %s x%d",
+                     cfg.model.name, cfg.model.model_type, format_count(self.n_params), cfg.attention.name,
                      cfg.parallel.zero_stage, "bf16" if self.bf16 else "fp32", self.device.type, self.dist.world_size)
+        if cfg.train.plan_check:  # before zero.Init allocates: a run that cannot fit stops saying what it needs
+            from msa_train.parallel.planner import check_fit
+
+            reason = check_fit(cfg, self.dist.world_size, self.device)
+            if reason:
+                raise ValueError(f"{reason} (train.plan_check=false skips this check)")
         self._init_context = model_init_context(cfg.parallel.zero_stage, self.ds_config)  # kept alive: see its doc
         # Built directly in the training dtype: DeepSpeed's bf16 optimizer keeps its own fp32 master copy.
         dtype = torch.bfloat16 if self.bf16 else torch.float32

@@ -5,8 +5,9 @@ The HF attention module computes q/k/v with its own projections, q/k norms and R
 We register two names:
 
 * ``msa_full``: dense causal attention that never crosses packed documents and never builds a
-  [T, T] mask. CUDA: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen, torch >= 2.10)
-  for packed bf16/fp16 batches; SDPA ``is_causal`` (cuDNN/flash) when a row holds one document.
+  [T, T] mask. CUDA: SDPA ``is_causal`` with the cuDNN backend first when a row holds one document;
+  ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 varlen, torch >= 2.10) for packed
+  bf16/fp16 rows (:func:`dense_kernel_name` routes, and names the kernel for the benchmark).
   CPU (and the rare CUDA fp32 case): SDPA ``is_causal`` per document, a loop over documents that
   is only the fallback path.
 * ``msa_nsa``: ``flash_msa.NativeSparseAttention`` stored on the attention module as ``.nsa``;
@@ -156,38 +157,82 @@ def full_attention_forward(module, query, key, value, attention_mask=None, scali
     return sp.to_sequence(out, seq_dim=1, head_dim=2), None
 
 
+# Dense kernels behind attention=full, fastest first on an H200 (DESIGN.md's table: cuDNN SDPA
+# 59 / 169 ms forward / backward at 64K against 104 / 274 for SDPA's flash backend).
+SDPA_CUDNN = "sdpa_cudnn"            # one document per row: SDPA is_causal, cuDNN first
+VARLEN_FLASH = "varlen_flash2"       # packed rows: torch's varlen_attn (FlashAttention-2 varlen)
+SDPA_PER_DOCUMENT = "sdpa_per_document"  # packed rows without a varlen kernel (CPU, fp32): one SDPA each
+SDPA = "sdpa"                        # one document per row, off CUDA: SDPA's own choice (math/flash CPU)
+# SDPA backends in the order tried for one document: cuDNN, then flash, then the rest
+_SDPA_ORDER = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def dense_kernel_name(is_cuda: bool, dtype: torch.dtype, num_docs: int, varlen_available: bool = True) -> str:
+    """The dense kernel ``attention=full`` runs for a row of ``num_docs`` packed documents (the length
+    of ``cu_seqlens`` minus one: a Python int the data loader knows, so routing needs no host sync).
+
+    One document: SDPA ``is_causal`` with cuDNN first (:data:`SDPA_CUDNN`) on CUDA, SDPA's own choice
+    elsewhere. Packed: FlashAttention-2 varlen through torch (:data:`VARLEN_FLASH`) on CUDA in bf16/fp16,
+    else one SDPA per document. The benchmark records this name for every point."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if num_docs <= 1:
+        return SDPA_CUDNN if is_cuda and half else SDPA
+    if is_cuda and half and varlen_available:
+        return VARLEN_FLASH
+    return SDPA_PER_DOCUMENT
+
+
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    return [getattr(SDPBackend, name) for name in _SDPA_ORDER if hasattr(SDPBackend, name)]
+
+
 def _full_attention(query, key, value, scaling, cu_seq_lens_q, max_length_q) -> torch.Tensor:
     """query [B, HQ, T, D], key/value [B, HK, T, D] -> [B, T, HQ, D] (see full_attention_forward)."""
     B, HQ, T, D = query.shape
-    one_doc = cu_seq_lens_q is None or cu_seq_lens_q.numel() == 2  # shape only: no host sync
-    if T != key.shape[2] and not one_doc:
+    num_docs = 1 if cu_seq_lens_q is None else cu_seq_lens_q.numel() - 1  # shape only: no host sync
+    if T != key.shape[2] and num_docs > 1:
         raise NotImplementedError("msa_full: a KV cache with packed documents (cu_seqlens) is not supported")
-    if one_doc:
+    kernel = dense_kernel_name(query.is_cuda, query.dtype, num_docs, _varlen_attn is not None)
+    if kernel == SDPA_CUDNN:
+        from torch.nn.attention import sdpa_kernel
+
+        # cuDNN first; SDPA falls back down the list where cuDNN refuses a shape (head dim, a KV cache)
+        with sdpa_kernel(_sdpa_backends(), set_priority=True):
+            out = _sdpa_causal(query, key, value, scaling)
+    elif kernel == SDPA:
         out = _sdpa_causal(query, key, value, scaling)
-    elif (_varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
-        q = query[0].transpose(0, 1).contiguous()  # [T, HQ, D]
-        k, v = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
-        group = HQ // k.shape[1]
-        extra = dict(_VARLEN_CAUSAL)
-        if "scale" in _VARLEN_PARAMS:
-            extra["scale"] = scaling
-        elif scaling is not None and abs(scaling - D ** -0.5) > 1e-12:
-            raise NotImplementedError("this torch's varlen_attn has no scale argument; the model needs "
-                                      f"scale {scaling}, not 1/sqrt(D)")
-        if _VARLEN_GQA:
-            extra["enable_gqa"] = True
-        else:
-            k, v = _repeat_kv(k, group, 1), _repeat_kv(v, group, 1)
-        max_len = int(max_length_q) if max_length_q is not None else T
-        o = _varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_len, max_len, **extra)
-        return o.unsqueeze(0)
+    elif kernel == VARLEN_FLASH:
+        return _varlen_flash(query, key, value, scaling, cu_seq_lens_q, max_length_q)
     else:
-        # CPU fallback: one SDPA per document. On CPU the offsets are host memory, so tolist() is no sync.
+        # one SDPA per document: the CPU path, whose offsets are host memory, so tolist() is no sync
         bounds = cu_seq_lens_q.tolist()
         parts = [_sdpa_causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling)
                  for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
         out = torch.cat(parts, dim=2)
     return out.transpose(1, 2)
+
+
+def _varlen_flash(query, key, value, scaling, cu_seq_lens_q, max_length_q) -> torch.Tensor:
+    """torch's varlen_attn over the packed row: [1, HQ, T, D] x [1, HK, T, D] -> [1, T, HQ, D]."""
+    HQ, T, D = query.shape[1:]
+    q = query[0].transpose(0, 1).contiguous()  # [T, HQ, D]
+    k, v = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
+    group = HQ // k.shape[1]
+    extra = dict(_VARLEN_CAUSAL)
+    if "scale" in _VARLEN_PARAMS:
+        extra["scale"] = scaling
+    elif scaling is not None and abs(scaling - D ** -0.5) > 1e-12:
+        raise NotImplementedError("this torch's varlen_attn has no scale argument; the model needs "
+                                  f"scale {scaling}, not 1/sqrt(D)")
+    if _VARLEN_GQA:
+        extra["enable_gqa"] = True
+    else:
+        k, v = _repeat_kv(k, group, 1), _repeat_kv(v, group, 1)
+    max_len = int(max_length_q) if max_length_q is not None else T
+    o = _varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_len, max_len, **extra)
+    return o.unsqueeze(0)
 
 
 def nsa_attention_forward(module, query, key, value, attention_mask=None, scaling: Optional[float] = None,

@@ -1,0 +1,481 @@
+"""The end-to-end report, the longest-sequence finder and the planner check (``python -m msa_train.bench ...``).
+
+    python -m msa_train.bench report --out benchmarks/results/e2e [--max-minutes 9] [--only llama3_8b]
+    python -m msa_train.bench longest --recipe llama3_8b_64k --attention full,fmsa --out runs/longest
+    python -m msa_train.bench plan-check --out runs/plan_check
+
+``report`` runs a grid of points (model shape, attention, seq_len, depth, memory options), each a
+fresh ``msa-train`` process with a timeout (``bench.run_point``). Points accumulate in
+``<out>/points.jsonl``: a rerun skips the points already there, and ``--max-minutes`` stops starting
+new points once that much time has passed, so the grid splits into device calls of a few minutes.
+Where a model at full depth did not run (it does not fit, or it was not in the grid), its step time is
+fitted per layer from the depths that ran (``fit_per_layer``: least squares ``t = a + b * layers``,
+with the residual) and labelled as a fit. ``latest.{json,md,png}`` are written after every point.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+# Model shapes of the report (configs/model/*.yaml) and the depths measured for a per-layer fit.
+SHAPES = {"llama3_8b": 32, "qwen3_14b": 40, "qwen25_32b": 64}
+FIT_DEPTHS = (4, 8, 16)
+ARMS = ("full", "nsa", "fmsa")
+# Memory options of the "same options" comparison: what the full arm needs to fit at 128K on one H200.
+SAME_OPTIONS = ("parallel=zero2", "parallel.activation_checkpointing=true", "parallel.tile_tokens=32768",
+                "parallel.offload_optimizer=true", "parallel.optimizer=deepspeed")
+# Each arm at its fastest options that fit: the first of these, fastest first, that the planner says
+# fits the GPU at the model's full depth (the same options then run at every depth of its fit).
+FAST_CANDIDATES = (
+    ("parallel=zero2", "parallel.activation_checkpointing=false"),
+    ("parallel=zero2", "parallel.activation_checkpointing=false", "parallel.offload_optimizer=true",
+     "parallel.optimizer=deepspeed"),
+    ("parallel=zero2", "parallel.activation_checkpointing=true", "parallel.offload_optimizer=true",
+     "parallel.optimizer=deepspeed"),
+    SAME_OPTIONS,
+    (*SAME_OPTIONS, "parallel.offload_activations=true"),
+)
+
+
+def fastest_options(point: "Point", fits: Callable[[List[str]], bool]) -> Tuple[str, ...]:
+    """The first of FAST_CANDIDATES for which ``fits(overrides at full depth)`` holds (else the last)."""
+    full = SHAPES.get(point.model, point.layers)
+    base = [f"model={point.model}", f"model.hf_config.num_hidden_layers={full}", f"attention={point.attention}",
+            f"train.seq_len={point.seq_len}"]
+    for cand in FAST_CANDIDATES:
+        if fits([*base, *cand]):
+            return cand
+    return FAST_CANDIDATES[-1]
+
+
+def planner_fits(overrides: List[str]) -> bool:
+    from msa_train.cli import compose
+    from msa_train.parallel.planner import plan_of_config
+
+    return plan_of_config(compose(["recipe=llama3_8b_64k", "data=generated", *overrides])).fits
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    model: str
+    attention: str
+    seq_len: int
+    layers: int
+    options: str  # "same" | "fastest"
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.attention}/{self.seq_len}/{self.layers}/{self.options}"
+
+
+def grid(models: Sequence[str], seq_lens: Sequence[int], depths: Optional[Sequence[int]] = None) -> List[Point]:
+    """Every point of the report: each model at full depth and at the fit depths, each arm, both options."""
+    points = []
+    for model in models:
+        full = SHAPES.get(model, max(depths or FIT_DEPTHS))
+        layer_list = sorted({*(depths or FIT_DEPTHS), *([full] if model == "llama3_8b" or depths else [])})
+        for T in seq_lens:
+            for L in layer_list:
+                for opts in ("same", "fastest"):
+                    points.extend(Point(model, a, T, L, opts) for a in ARMS)
+    return points
+
+
+def fit_per_layer(layers: Sequence[int], seconds: Sequence[float]) -> Dict[str, float]:
+    """Least-squares ``seconds = fixed + per_layer * layers`` over >= 2 depths; the residual is the RMS
+    of the misfit relative to the mean step time (0 for two depths, which a line always fits)."""
+    n = len(layers)
+    if n < 2 or len(set(layers)) < 2:
+        raise ValueError(f"fit_per_layer needs >= 2 distinct depths, got {list(layers)}")
+    mx, my = sum(layers) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in layers)
+    b = sum((x - mx) * (y - my) for x, y in zip(layers, seconds)) / sxx
+    a = my - b * mx
+    rms = math.sqrt(sum((a + b * x - y) ** 2 for x, y in zip(layers, seconds)) / n)
+    return {"fixed_s": a, "per_layer_s": b, "relative_residual": rms / my if my else 0.0, "depths": list(layers)}
+
+
+def sparse_attention_flops_per_token(seq_len: int, heads: int, head_dim: int, cmp_block: int = 32,
+                                     cmp_stride: int = 16, slc_block: int = 64, slc_topk: int = 16,
+                                     window: int = 512, kv_heads: Optional[int] = None) -> float:
+    """Training FLOPs (forward + backward = 3x forward) per token and layer that NSA's branches do,
+    averaged over a causal sequence of ``seq_len`` (one document):
+
+    * compressed attention: QK^T and PV over the visible compressed tokens, about t / d at position t,
+      mean T / (2d): 2 matmuls x 2 FLOPs x HQ*D x T / (2d);
+    * selected attention: n blocks of l' keys (fewer near the start; counted full): 4 x HQ*D x n*l';
+    * sliding window: min(t, w) keys, mean about w for T >> w: 4 x HQ*D x w;
+    * compression phi (a per-head linear map of l keys of D to one of D, for keys and values):
+      2 x 2 x l*D*D per compressed token and KV head, one compressed token per d tokens.
+    The gates and the selection's top-k are elementwise (not counted, as dense MFU counts no softmax).
+    """
+    kv_heads = kv_heads or heads
+    mean_window = min(window, seq_len / 2)
+    attn = 4 * heads * head_dim * (seq_len / (2 * cmp_stride) + min(slc_topk * slc_block, seq_len / 2) + mean_window)
+    phi = 4 * kv_heads * cmp_block * head_dim * head_dim / cmp_stride
+    return 3 * (attn + phi)
+
+
+def mfu(tokens_per_s: float, n_matmul: int, layers: int, heads: int, head_dim: int, seq_len: int,
+        attention: str, peak_tflops: float, **nsa_sizes) -> Dict[str, float]:
+    """MFU two ways: ``dense_equivalent`` counts dense causal attention whatever ran (so arms compare
+    at equal work); ``actual`` counts the FLOPs the run's attention really did (NSA's branches)."""
+    from msa_train.metrics import model_flops_per_token
+
+    dense = model_flops_per_token(n_matmul, layers, heads * head_dim, seq_len / 2)
+    actual = dense
+    if attention != "full":
+        actual = 6.0 * n_matmul + layers * sparse_attention_flops_per_token(seq_len, heads, head_dim, **nsa_sizes)
+    peak = peak_tflops * 1e12
+    return {"dense_equivalent": dense * tokens_per_s / peak, "actual": actual * tokens_per_s / peak}
+
+
+# ----------------------------------------------------------------------- results file
+def load_points(path: Path) -> Dict[str, Dict]:
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["key"]: r for r in rows}
+
+
+def run_grid(points: Iterable[Point], results: Path, run: Callable[[Point], Dict],
+             max_seconds: Optional[float] = None, clock: Callable[[], float] = time.monotonic) -> Dict[str, Dict]:
+    """Run the points not yet in ``results`` (one JSON line each, appended as it finishes), until
+    ``max_seconds`` have passed; returns all points recorded."""
+    results.parent.mkdir(parents=True, exist_ok=True)
+    done = load_points(results)
+    t0 = clock()
+    for point in points:
+        if point.key in done:
+            continue
+        if max_seconds is not None and clock() - t0 >= max_seconds:
+            break
+        row = {"key": point.key, **dataclasses.asdict(point), **run(point)}
+        with results.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        done[point.key] = row
+    return done
+
+
+def summarise_rows(rows: Dict[str, Dict], shapes: Dict[str, Dict]) -> List[Dict]:
+    """One row per (model, attention, seq_len, options) at full depth: measured where it ran there,
+    else fitted per layer from the depths that ran (labelled). Adds speedups over full and nsa."""
+    groups: Dict[Tuple, List[Dict]] = {}
+    for r in rows.values():
+        groups.setdefault((r["model"], r["attention"], r["seq_len"], r["options"]), []).append(r)
+    out = []
+    for (model, att, T, opts), rs in sorted(groups.items()):
+        full_depth = shapes.get(model, {}).get("layers", SHAPES.get(model))
+        ok = {r["layers"]: r for r in rs if r.get("ok") and r.get("step_s")}
+        row = {"model": model, "attention": att, "seq_len": T, "options": opts, "layers": full_depth}
+        if full_depth in ok:
+            r = ok[full_depth]
+            row |= {"source": "measured", "step_s": r["step_s"], "peak_memory_gb": r.get("peak_memory_gb"),
+                    "phase_s": r.get("phase_s"), "dense_kernel": r.get("dense_kernel"), "impl": r.get("impl")}
+        elif len(ok) >= 2:
+            fit = fit_per_layer(sorted(ok), [ok[L]["step_s"] for L in sorted(ok)])
+            deepest = ok[max(ok)]
+            row |= {"source": f"fit over {len(ok)} depths {sorted(ok)}", "fit": fit,
+                    "step_s": fit["fixed_s"] + fit["per_layer_s"] * full_depth, "peak_memory_gb": None,
+                    "phase_s": deepest.get("phase_s"), "dense_kernel": deepest.get("dense_kernel"),
+                    "impl": deepest.get("impl")}
+        else:
+            failed = [r.get("error") for r in rs if not r.get("ok")]
+            row |= {"source": "not run" if not failed else f"failed: {failed[-1]}", "step_s": None}
+        row["tokens_per_s"] = T / row["step_s"] if row.get("step_s") else None
+        shape = shapes.get(model)
+        if row["tokens_per_s"] and shape and shape.get("peak_tflops"):
+            row["mfu"] = mfu(row["tokens_per_s"], shape["n_matmul"], full_depth, shape["heads"], shape["head_dim"], T,
+                             att, shape["peak_tflops"])
+        out.append(row)
+    by = {(r["model"], r["attention"], r["seq_len"], r["options"]): r for r in out}
+    for r in out:
+        for base in ("full", "nsa"):
+            b = by.get((r["model"], base, r["seq_len"], r["options"]), {}).get("tokens_per_s")
+            r[f"speedup_over_{base}"] = r["tokens_per_s"] / b if (b and r["tokens_per_s"]) else None
+    return out
+
+
+COLUMNS = ("model", "options", "seq_len", "attention", "source", "tokens_per_s", "step_s", "speedup_over_full",
+           "speedup_over_nsa", "peak_memory_gb", "dense_kernel", "mfu_dense_equivalent", "mfu_actual",
+           "forward_backward_s", "optimizer_s")
+
+
+def _cells(r: Dict) -> List[str]:
+    def fmt(v, f="{:.3g}"):
+        return "-" if v is None else (f.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v))
+
+    m, ph = r.get("mfu") or {}, r.get("phase_s") or {}
+    return [r["model"], r["options"], f"{r['seq_len']:,}", r["attention"], r["source"],
+            fmt(r.get("tokens_per_s"), "{:,.0f}"), fmt(r.get("step_s")), fmt(r.get("speedup_over_full"), "{:.2f}x"),
+            fmt(r.get("speedup_over_nsa"), "{:.2f}x"), fmt(r.get("peak_memory_gb"), "{:.1f}"),
+            fmt(r.get("dense_kernel") if r["attention"] == "full" else r.get("impl")),
+            fmt(m.get("dense_equivalent"), "{:.1%}"), fmt(m.get("actual"), "{:.1%}"),
+            *(fmt(ph.get(k)) for k in ("forward_backward", "optimizer"))]
+
+
+def write_report(rows: List[Dict], out: Path, meta: Dict) -> None:
+    """latest.json (rows + meta), latest.md (one table, every column) and latest.png (tokens/s, speedup)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latest.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [f"# End-to-end training at full model depth on {meta.get('device')}", "",
+             "tokens/s per GPU; `source` says whether a row was measured at full depth or fitted per layer "
+             "(`t = fixed + per_layer x layers`, least squares over the depths that ran, residual in latest.json). "
+             "Options: `same` = the same memory options for every arm, `fastest` = each arm at its fastest "
+             "options that fit. Phases in seconds per step (`train.phase_times`: forward + backward, and the "
+             "optimizer step; from the deepest measured run for fitted rows). MFU: dense-equivalent FLOPs, and the FLOPs the attention really did.", "",
+             "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    (out / "latest.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for (model, att, opts) in sorted({(r["model"], r["attention"], r["options"]) for r in rows}):
+        pts = sorted((r["seq_len"], r) for r in rows if (r["model"], r["attention"], r["options"]) == (model, att, opts)
+                     and r.get("tokens_per_s"))
+        if not pts:
+            continue
+        label = f"{model} {att} ({opts})"
+        ax1.plot([T for T, _ in pts], [r["tokens_per_s"] for _, r in pts], marker="o", label=label)
+        sp = [(T, r["speedup_over_full"]) for T, r in pts if r.get("speedup_over_full") and att != "full"]
+        if sp:
+            ax2.plot(*zip(*sp), marker="o", label=label)
+    for ax, title in ((ax1, "tokens/s"), (ax2, "speedup over full")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_title(title)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "latest.png", dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------- running a point
+def point_overrides(point: Point, fits: Callable[[List[str]], bool] = planner_fits) -> List[str]:
+    opts = SAME_OPTIONS if point.options == "same" else fastest_options(point, fits)
+    return [f"model={point.model}", f"model.hf_config.num_hidden_layers={point.layers}", "train.phase_times=true",
+            *opts]
+
+
+def measure_point(point: Point, steps: int, warmup: int, timeout: int, workdir: Path, device: str) -> Dict:
+    """One point as a fresh process (bench.run_point); its step time, peak memory, phases and kernels."""
+    from msa_train import bench
+
+    overrides = point_overrides(point)
+    p = bench.run_point("llama3_8b_64k", point.attention, point.seq_len, steps, overrides, workdir, timeout)
+    tps = bench.summarise(p, warmup)
+    phases = bench.phase_means(p, warmup) or {}
+    ran = bench.what_ran(point.attention, device)
+    row = {"ok": p["ok"], "error": p.get("error"), "peak_memory_gb": p.get("peak_memory_gb"),
+           "step_s": point.seq_len / tps if tps else None, "impl": ran["impl"], "device": device,
+           "overrides": overrides}
+    if point.attention == "full":
+        row["dense_kernel"] = ran["impl"]
+    if phases:  # the layers, attention and the loss together (train.phase_times times no finer)
+        row["phase_s"] = {"forward_backward": phases["forward_s"] + phases["backward_s"], "optimizer": phases["step_s"]}
+    return row
+
+
+def _shapes(models: Sequence[str], peak_tflops: Optional[float]) -> Dict[str, Dict]:
+    from msa_train.cli import compose
+    from msa_train.models import count_parameters
+    from msa_train.parallel.planner import ModelShape
+
+    out = {}
+    for model in models:
+        cfg = compose([f"model={model}", "data=generated", "attention=full"])
+        shape = ModelShape.from_config(cfg.model, cfg.attention)
+        out[model] = {"layers": shape.layers, "heads": shape.heads, "head_dim": shape.head_dim,
+                      "n_matmul": count_parameters(cfg.model, cfg.attention)[1], "peak_tflops": peak_tflops}
+    return out
+
+
+def report(argv: Sequence[str]) -> List[Dict]:
+    p = argparse.ArgumentParser(prog="python -m msa_train.bench report", description="the end-to-end report")
+    p.add_argument("--out", default="runs/bench/e2e", help="folder of latest.* and points.jsonl")
+    p.add_argument("--models", default="llama3_8b,qwen3_14b,qwen25_32b")
+    p.add_argument("--seq-lens", default="65536,131072,262144")
+    p.add_argument("--depths", default=None, help="comma-separated depths (default 4,8,16 and Llama3-8B's 32)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=540, help="seconds per point")
+    p.add_argument("--max-minutes", type=float, default=None, help="start no point after this many minutes")
+    args = p.parse_args(list(argv))
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    from msa_train.metrics import peak_tflops
+
+    peak = peak_tflops(torch.device("cuda"), None) if device != "cpu" else None
+    out = Path(args.out)
+    models = args.models.split(",")
+    depths = [int(x) for x in args.depths.split(",")] if args.depths else None
+    points = grid(models, [int(x) for x in args.seq_lens.split(",")], depths)
+    work = out / "runs"
+    rows = run_grid(points, out / "points.jsonl",
+                    lambda pt: measure_point(pt, args.steps, args.warmup, args.timeout, work, device),
+                    None if args.max_minutes is None else args.max_minutes * 60)
+    table = summarise_rows(rows, _shapes(models, peak))
+    write_report(table, out, {"device": device, "points": len(rows), "grid": len(points),
+                              "steps": args.steps, "warmup": args.warmup})
+    print((out / "latest.md").read_text())
+    return table
+
+
+# ----------------------------------------------------------------------- longest sequence
+def longest(fits: Callable[[int], bool], start: int, multiple: int, ceiling: int = 1 << 24) -> Tuple[int, List[int]]:
+    """The longest ``seq_len`` (a multiple of ``multiple``) for which ``fits`` holds, assuming it holds
+    below some threshold and not above: from ``start`` (the planner's estimate, rounded to a power of
+    two), double or halve to bracket it between powers of two, then bisect in steps of ``multiple``.
+    Returns (the length, the lengths tried in order); 0 when not even ``multiple`` fits."""
+    tried: List[int] = []
+
+    def ok(T):
+        tried.append(T)
+        return fits(T)
+
+    T = max(multiple, 1 << max(0, round(math.log2(max(1, start)))))
+    if ok(T):
+        lo, hi = T, None
+        while hi is None:
+            if lo * 2 > ceiling:
+                return lo, tried
+            if ok(lo * 2):
+                lo *= 2
+            else:
+                hi = lo * 2
+    else:
+        hi, lo = T, None
+        while lo is None:
+            if hi // 2 < multiple:
+                return (multiple if ok(multiple) else 0), tried
+            if ok(hi // 2):
+                lo = hi // 2
+            else:
+                hi //= 2
+    while hi - lo > multiple:  # bisect between lo (fits) and hi (does not), in steps of `multiple`
+        mid = (lo + hi) // 2 // multiple * multiple
+        if mid in (lo, hi):
+            break
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, tried
+
+
+def longest_cmd(argv: Sequence[str]) -> Dict:
+    p = argparse.ArgumentParser(prog="python -m msa_train.bench longest", description="the longest trainable seq_len")
+    p.add_argument("--recipe", default="llama3_8b_64k")
+    p.add_argument("--attention", default="full,fmsa")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timeout", type=int, default=540)
+    p.add_argument("--out", default="runs/bench/longest")
+    args, extra = p.parse_known_args(list(argv))
+    extra = [x for x in extra if x != "--"]
+    import torch
+
+    from msa_train import bench
+    from msa_train.cli import compose
+    from msa_train.parallel.planner import plan_of_config
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = {}
+    for att in args.attention.split(","):
+        cfg = compose([f"recipe={args.recipe}", f"attention={att}", "data=generated", *extra])
+        multiple = math.lcm(cfg.attention.slc_block if att != "full" else 1, cfg.parallel.sp_degree, 64)
+        start = cfg.train.seq_len
+        while True:  # the planner's longest power of two that fits, as the search's start
+            nxt = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=start * 2))
+            if start * 2 > (1 << 24) or not plan_of_config(nxt).fits:
+                break
+            start *= 2
+        runs: Dict[int, bool] = {}
+
+        def fits(T):
+            point = bench.run_point(args.recipe, att, T, args.steps, extra, out / "runs", args.timeout)
+            runs[T] = point["ok"]
+            return point["ok"]
+
+        best, tried = longest(fits, start, multiple)
+        table[att] = {"longest": best, "planner_start": start, "tried": tried, "device":
+                      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+        (out / "latest.json").write_text(json.dumps(table, indent=2))
+    lines = ["| attention | longest seq_len | planner's start | trials |", "|---|---|---|---|"]
+    lines += [f"| {a} | {r['longest']:,} | {r['planner_start']:,} | {len(r['tried'])} |" for a, r in table.items()]
+    (out / "latest.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return table
+
+
+# ----------------------------------------------------------------------- planner check
+# Configurations the planner is validated on: (overrides, label); Llama3-8B shape on one GPU.
+PLAN_CHECK = (
+    (["model.hf_config.num_hidden_layers=4", "train.seq_len=65536", "attention=full"], "4 layers 64K full"),
+    (["model.hf_config.num_hidden_layers=4", "train.seq_len=65536", "attention=fmsa"], "4 layers 64K fmsa"),
+    (["model.hf_config.num_hidden_layers=8", "train.seq_len=131072", "attention=fmsa",
+      "parallel.tile_tokens=32768"], "8 layers 128K fmsa tiled"),
+    (["model.hf_config.num_hidden_layers=16", "train.seq_len=65536", "attention=full",
+      "parallel.offload_optimizer=true", "parallel.optimizer=deepspeed"], "16 layers 64K full, optimizer offload"),
+    (["model.hf_config.num_hidden_layers=4", "train.seq_len=262144", "attention=fmsa", "parallel.tile_tokens=32768",
+      "parallel.offload_activations=true"], "4 layers 256K fmsa tiled, activations offload"),
+    (["train.seq_len=65536", "attention=fmsa", "parallel.offload_optimizer=true", "parallel.optimizer=deepspeed",
+      "parallel.tile_tokens=32768"], "32 layers 64K fmsa, optimizer offload"),
+)
+
+
+def plan_check(argv: Sequence[str]) -> List[Dict]:
+    p = argparse.ArgumentParser(prog="python -m msa_train.bench plan-check",
+                                description="the memory planner against measured peaks")
+    p.add_argument("--out", default="runs/bench/plan_check")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=540)
+    p.add_argument("--tolerance", type=float, default=0.10)
+    args = p.parse_args(list(argv))
+    from msa_train import bench
+    from msa_train.cli import compose
+    from msa_train.parallel.planner import plan_of_config
+
+    out = Path(args.out)
+    rows = load_points(out / "points.jsonl")
+    for overrides, label in PLAN_CHECK:
+        if label in rows:
+            continue
+        base = ["recipe=llama3_8b_64k", "data=generated", *overrides]
+        predicted = plan_of_config(compose(base)).peak_gb
+        att = next(o.split("=")[1] for o in overrides if o.startswith("attention="))
+        T = int(next(o.split("=")[1] for o in overrides if o.startswith("train.seq_len=")))
+        rest = [o for o in overrides if not o.startswith(("attention=", "train.seq_len="))]
+        point = bench.run_point("llama3_8b_64k", att, T, args.steps, rest, out / "runs", args.timeout)
+        measured = point.get("peak_memory_gb")
+        row = {"key": label, "overrides": overrides, "predicted_gb": predicted, "measured_gb": measured,
+               "error": point.get("error"),
+               "relative_error": (predicted - measured) / measured if measured else None}
+        with (out / "points.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows[label] = row
+    table = list(rows.values())
+    lines = ["| configuration | predicted GiB | measured GiB | error |", "|---|---|---|---|"]
+    lines += [f"| {r['key']} | {r['predicted_gb']:.1f} | " + (f"{r['measured_gb']:.1f} | {r['relative_error']:+.1%}"
+              if r["measured_gb"] else f"- | {r['error']}") + " |" for r in table]
+    within = sum(1 for r in table if r["relative_error"] is not None and abs(r["relative_error"]) <= args.tolerance)
+    lines += ["", f"{within} of {len(table)} within {args.tolerance:.0%}"]
+    (out / "latest.md").write_text("\n".join(lines) + "\n")
+    (out / "latest.json").write_text(json.dumps(table, indent=2))
+    print("\n".join(lines))
+    return table
+
+
+def main(argv: Sequence[str]):
+    command, rest = argv[0], list(argv[1:])
+    return {"report": report, "longest": longest_cmd, "plan-check": plan_check}[command](rest)

@@ -1,0 +1,482 @@
+"""Memory planner: the per-GPU peak a run will need, predicted from its config without a GPU.
+
+``msa-train recipe=NAME train.plan=true [train.plan_world_size=8 parallel.sp_degree=8 train.seq_len=...]``
+prints the table and writes ``<train.output_dir>/plan.json``; the trainer runs the same check before it
+builds the model (:func:`check_fit`), so a recipe too large for the machine stops with what it needs
+instead of an allocation error deep inside DeepSpeed.
+
+What is counted, per GPU (bytes; ``N`` = ZeRO ranks = the world size, ``P`` = parameters):
+
+* **Model state** (DeepSpeed's bf16 mixed precision, what its optimizers keep):
+  bf16 parameters 2P, bf16 gradients 2P, fp32 master weights 4P and AdamW's two fp32 moments 8P
+  (12P of optimizer state), plus, during the step, the gradients cast to fp32 for the master
+  update, 4P. ZeRO-0 (DeepSpeed's FP16_Optimizer in bf16) keeps all of it on every rank; ZeRO-1
+  shards the 12P + 4P; ZeRO-2 the gradients too; ZeRO-3 the parameters too (plus one layer
+  gathered at a time). ``offload_optimizer`` moves the 12P + 4P shard to host memory (pinned),
+  ``offload_params`` the parameter shard. fp32 training (the CPU default): 4P parameters, 4P
+  gradients, 8P moments, no master copy.
+* **Activations** (per-token constants of ``parallel/memory.py``, counted with saved-tensor hooks
+  on a Llama-3-8B-shape layer and written here as functions of the shape): what every layer keeps
+  (its input only under activation checkpointing, on the host with ``offload_activations``) plus
+  the one layer being recomputed and differentiated, with its backward's gradients. With
+  sequence parallelism P_sp a rank holds T/P_sp tokens outside attention and, inside it, all T
+  tokens of HQ/P_sp query heads and max(1, HK/P_sp) KV heads (replicated when P_sp > HK).
+* **Attention workspace**: dense: the softmax statistics (and FlashAttention's fp32 dq accumulator
+  on the varlen path); NSA: the O(T·n) selected-block indices and the KV-block-centric kernel's
+  partial outputs (one row per query, head and selected block), an upper bound.
+* **Loss**: one chunk of fp32 logits and their gradient (``train.loss_chunk_tokens`` x vocab), and
+  the fused loss's head-weight gradient held from its forward to its backward.
+
+The peak is the larger of the forward/backward peak (model state without the step's fp32
+gradients, plus activations, workspace and loss) and the optimizer step's (model state with them).
+A margin for the allocator and the CUDA context (``OVERHEAD_GB``) is added. The numbers are a model:
+``python -m msa_train.bench plan-check`` compares them with measured peaks (docs/trainer.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+GiB = 2 ** 30
+H200_GB = 139.0  # usable device memory of one H200 (torch.cuda.mem_get_info on an idle one), GiB
+OVERHEAD_GB = 2.5  # CUDA context, cuBLAS/cuDNN handles and allocator fragmentation, GiB
+# check_fit refuses a run only when its predicted need exceeds the memory by this factor: the
+# prediction is a model (until plan-check has validated it, a run it overestimates must still start),
+# and the runs it is there to stop (a 14B model at 1M tokens on one small machine) miss by far more
+REFUSE_FACTOR = 1.5
+TILE_TOKENS = 32768  # the ladder's parallel.tile_tokens (as in the recipes)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the arithmetic needs of the model; ``params`` counts NSA's own parameters too."""
+    params: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    qk_norm: bool = False  # Qwen3: RMSNorms over every q and k head
+
+    @classmethod
+    def from_config(cls, model_cfg, attention_cfg) -> "ModelShape":
+        """From the HF config the run would build, parameters counted on the meta device (no memory)."""
+        from transformers import AutoConfig
+
+        from msa_train.models import _head_dims, count_parameters
+
+        if model_cfg.path is not None:
+            config = AutoConfig.from_pretrained(model_cfg.path)
+        else:
+            config = AutoConfig.for_model(model_cfg.model_type,
+                                          **{k: v for k, v in model_cfg.hf_config.items() if k != "model_type"})
+        heads, kv_heads, head_dim = _head_dims(config)
+        params, _ = count_parameters(model_cfg, attention_cfg)
+        return cls(params=params, hidden=config.hidden_size, intermediate=config.intermediate_size,
+                   layers=config.num_hidden_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   vocab=config.vocab_size, qk_norm=config.model_type == "qwen3")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The memory options of a run (``parallel.*`` and a few ``train.*``), unvalidated so the
+    ladder can try combinations; :meth:`overrides` spells them as command-line overrides."""
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    tile_tokens: int = 0
+    fused_ops: bool = True
+    sp_degree: int = 1
+
+    @classmethod
+    def from_config(cls, cfg, on_cuda: bool = True) -> "Options":
+        p = cfg.parallel
+        return cls(zero_stage=p.zero_stage, offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
+                   activation_checkpointing=p.activation_checkpointing, offload_activations=p.offload_activations,
+                   tile_tokens=p.tile_tokens, fused_ops=on_cuda if p.fused_ops is None else p.fused_ops,
+                   sp_degree=p.sp_degree)
+
+    def overrides(self, base: "Options") -> List[str]:
+        """The ``parallel.key=value`` overrides that turn ``base`` into these options."""
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != getattr(base, f.name):
+                out.append(f"parallel.{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+        return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the run computes: attention, sequence length, world size, precision, loss chunking."""
+    seq_len: int
+    attention: str = "full"        # full | nsa | fmsa | auto
+    world_size: int = 1
+    bf16: bool = True
+    loss_chunk_tokens: int = 4096
+    loss_impl: str = "fused"
+    cmp_stride: int = 16
+    slc_topk: int = 16
+    packed: bool = True            # several documents per row: the varlen dense kernel
+
+
+@dataclass
+class Plan:
+    """A prediction, in GiB per GPU unless named otherwise."""
+    parts: Dict[str, float]        # device GiB by part (model state, activations, ...)
+    peak_gb: float                 # the larger of the backward's and the optimizer step's peak, + overhead
+    host_gb: float                 # host memory per rank: offloaded optimizer state, parameters, activations
+    gpu_gb: float
+    host_limit_gb: Optional[float]
+    options: Options
+    workload: Workload
+    notes: List[str] = field(default_factory=list)
+    fix: Optional[List[str]] = None  # overrides that make it fit (the ladder), when it does not
+
+    @property
+    def fits(self) -> bool:
+        host_ok = self.host_limit_gb is None or self.host_gb * self.ranks_per_host <= self.host_limit_gb
+        return self.peak_gb <= self.gpu_gb and host_ok
+
+    @property
+    def ranks_per_host(self) -> int:
+        return self.workload.world_size  # one host: the planner plans single-node runs
+
+    def to_dict(self) -> Dict:
+        return {"fits": self.fits, "peak_gb": round(self.peak_gb, 2), "gpu_gb": self.gpu_gb,
+                "host_gb_per_rank": round(self.host_gb, 2), "host_gb_all_ranks": round(self.host_gb * self.ranks_per_host, 2),
+                "host_limit_gb": self.host_limit_gb, "parts_gb": {k: round(v, 3) for k, v in self.parts.items()},
+                "options": dataclasses.asdict(self.options), "workload": dataclasses.asdict(self.workload),
+                "fix": self.fix, "notes": self.notes}
+
+
+def rank_heads(heads: int, kv_heads: int, sp_degree: int) -> Tuple[int, int]:
+    """(query heads, KV heads) a rank attends with under sequence parallelism: HQ/P query heads and
+    HK/P KV heads, at least one (replicated) when P exceeds the KV heads."""
+    return max(1, heads // sp_degree), max(1, kv_heads // sp_degree)
+
+
+# ----------------------------------------------------------------------- model state
+def model_state_bytes(params: int, opt: Options, world_size: int, bf16: bool = True) -> Dict[str, float]:
+    """Bytes per rank of parameters, gradients, optimizer state and the step's fp32 gradients, and
+    of what is offloaded to the host (``host_*``)."""
+    n = max(1, world_size)
+    if not bf16:  # fp32 weights, torch AdamW moments, no master copy
+        p_b, g_b, opt_b, step_b = 4, 4, 8, 0
+    else:
+        p_b, g_b, opt_b, step_b = 2, 2, 12, 4
+    z = opt.zero_stage
+    out = {"parameters": p_b * params / (n if z == 3 else 1),
+           "gradients": g_b * params / (n if z >= 2 else 1),
+           "optimizer_state": opt_b * params / (n if z >= 1 else 1),
+           "step_fp32_gradients": step_b * params / (n if z >= 1 else 1),
+           "host_parameters": 0.0, "host_optimizer": 0.0}
+    if opt.offload_optimizer and z >= 1:
+        out["host_optimizer"] = out["optimizer_state"] + out["step_fp32_gradients"]
+        out["optimizer_state"] = out["step_fp32_gradients"] = 0.0
+    if opt.offload_params and z == 3:
+        out["host_parameters"] = out["parameters"]
+        out["parameters"] = 0.0
+    return out
+
+
+# ----------------------------------------------------------------------- activations
+def layer_saved_bytes_per_token(shape: ModelShape, opt: Options, a: int = 2) -> Dict[str, float]:
+    """Bytes per token one decoder layer saves for its backward, by part, at ``a`` bytes an element,
+    on one rank without sequence parallelism (the caller scales by its tokens and heads).
+
+    Hand-derived from what each op saves (``parallel/memory.py``): HF's RMSNorm its fp32 input and
+    its normalised rows (6H at bf16), fused or tiled only its input; the SwiGLU MLP its input and
+    four T x I tensors (8I), the fused SwiGLU three (6I), tiled only its input; attention q, k, v,
+    its output, o_proj's input and the softmax statistics. For a Llama-3-8B layer this gives
+    24 + 24 + 120 + 28 = 196 KiB (memory.py's hooks: 197), tiled 8 + 8 + 8 + 28 = 52 (53)."""
+    H, I = shape.hidden, shape.intermediate
+    HQ, HK, D = shape.heads, shape.kv_heads, shape.head_dim
+    slim_norm = opt.fused_ops or opt.tile_tokens > 0
+    norm = a * H if slim_norm else (2 * a + a) * H  # fp32 input (2a) + normalised rows (a)
+    if opt.tile_tokens > 0:
+        mlp = a * H
+    else:
+        mlp = a * H + (3 if opt.fused_ops else 4) * a * I
+    attn = a * (3 * HQ * D + 2 * HK * D) + 4 * HQ  # q, o, o_proj input; k, v; fp32 lse
+    if shape.qk_norm:
+        attn += (a if slim_norm else 3 * a) * (HQ + HK) * D
+    return {"norms": 2 * norm, "mlp": mlp, "attention": attn}
+
+
+def nsa_extra_bytes_per_token(shape: ModelShape, work: Workload, a: int = 2) -> float:
+    """What NSA's branches save beyond dense attention's tensors, per token and layer."""
+    HQ, HK, D = shape.heads, shape.kv_heads, shape.head_dim
+    return (a * 3 * HQ * D          # compressed, selected and window outputs
+            + a * 3 * HQ            # sigmoid gates
+            + 4 * 2 * HQ            # two more branches' lse (fp32)
+            + 4 * HK * work.slc_topk  # block indices (int32)
+            + a * 2 * HK * D / work.cmp_stride)  # compressed keys and values (one per stride)
+
+
+def attention_workspace_bytes(shape: ModelShape, work: Workload, q_heads: int, kv_heads: int, a: int = 2) -> float:
+    """Transient bytes of one attention call's backward on a rank (all T tokens of its heads)."""
+    T, D = work.seq_len, shape.head_dim
+    if work.attention == "full":
+        dq_acc = 4 * T * q_heads * D if work.packed else 0.0  # FlashAttention varlen's fp32 dq accumulator
+        return dq_acc + 4 * T * q_heads * 2  # lse and the backward's delta
+    # the selected-attention kernel's buffers: the KV-block-centric one's partial outputs (a row of D
+    # and an fp32 lse per query, head and selected block), bounded by its partitions (the kernel's own
+    # default_partition), and its fp32 dk/dv accumulators; the query-centric kernel keeps none
+    blocks = 4 * T * q_heads * 2 + 4 * T * kv_heads * work.slc_topk  # lse, delta; block indices
+    if work.attention == "nsa":
+        return blocks
+    from flash_msa.selection.fmsa import default_partition
+
+    chunk, heads = default_partition(T, q_heads, kv_heads, work.slc_topk, D, element_size=a)
+    partials = chunk * heads * (q_heads // kv_heads) * work.slc_topk * (a * D + 4)
+    return blocks + partials + 2 * 4 * T * kv_heads * D
+
+
+def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[str, float]:
+    """Device and host bytes per rank of activations, attention workspace and loss."""
+    a = 2 if work.bf16 else 4
+    sp = max(1, opt.sp_degree)
+    t_local = work.seq_len / sp
+    q_heads, kv_heads = rank_heads(shape.heads, shape.kv_heads, sp)
+    sparse = work.attention != "full"
+    per = layer_saved_bytes_per_token(shape, opt, a)
+    # attention's tensors: all T tokens of the rank's heads (head-sharded after the all-to-all)
+    head_scale = (q_heads * sp) / shape.heads if sp > 1 else 1.0
+    kv_scale = (kv_heads * sp) / shape.kv_heads if sp > 1 else 1.0
+    attn_tok = per["attention"] * (head_scale + kv_scale) / 2  # q-side and kv-side about alike
+    if sparse:
+        attn_tok += nsa_extra_bytes_per_token(shape, work, a) * head_scale
+    layer = (per["norms"] + per["mlp"] + attn_tok) * t_local
+    H, a_hq = shape.hidden, a * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    inputs = a * H * t_local  # one layer's input, what checkpointing keeps
+    # A layer's backward peaks in one of two places. In its MLP's backward everything it saved is
+    # alive, with the incoming hidden gradient and the MLP's T x I gradients (one tile when tiled);
+    # in its attention's, the MLP's tensors and the second norm's are freed, and the q/k/v
+    # gradients and both hidden gradients are alive.
+    mlp_grad_tokens = min(t_local, opt.tile_tokens) if opt.tile_tokens else t_local
+    in_mlp = layer + a * H * t_local + 2 * a * shape.intermediate * mlp_grad_tokens
+    in_attention = (per["norms"] / 2 + attn_tok) * t_local + (2 * a * H + a_hq) * t_local
+    working = max(in_mlp, in_attention)
+    out = {"host_activations": 0.0}
+    L = shape.layers
+    if opt.activation_checkpointing:
+        kept = L * inputs
+        if opt.offload_activations:  # on the host; on the device only the layer being copied back
+            out["host_activations"] = kept
+            kept = 2 * inputs
+        out["activations_kept"] = kept
+    else:
+        out["activations_kept"] = (L - 1) * layer
+    out["layer_working"] = working
+    out["attention_workspace"] = attention_workspace_bytes(shape, work, q_heads, kv_heads, a)
+    chunk = min(work.loss_chunk_tokens, t_local)
+    # one chunk of fp32 logits (its softmax turned into its gradient in place) and the hidden states'
+    # gradient, kept in the model's dtype from the forward to the backward
+    loss = 4 * chunk * shape.vocab + a * H * t_local
+    if work.loss_impl == "fused":
+        loss += a * shape.vocab * H  # the head's weight gradient, held from the forward to the backward
+    out["loss"] = loss
+    return out
+
+
+# ----------------------------------------------------------------------- the plan
+def predict(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H200_GB,
+            host_limit_gb: Optional[float] = None) -> Plan:
+    """The per-GPU peak of one configuration (no ladder; see :func:`plan`)."""
+    state = model_state_bytes(shape.params, opt, work.world_size, work.bf16)
+    act = activation_bytes(shape, opt, work)
+    gathered = 0.0
+    if opt.zero_stage == 3:  # one layer's parameters gathered whole (bf16) while it runs, and its gradients
+        gathered = 2 * 2 * (shape.params / max(1, shape.layers))
+    parts = {"parameters": state["parameters"], "gradients": state["gradients"],
+             "optimizer_state": state["optimizer_state"], "zero3_gathered_layer": gathered,
+             "activations_kept": act["activations_kept"], "layer_working": act["layer_working"],
+             "attention_workspace": act["attention_workspace"], "loss": act["loss"],
+             "step_fp32_gradients": state["step_fp32_gradients"]}
+    resident = parts["parameters"] + parts["gradients"] + parts["optimizer_state"]
+    backward_peak = resident + gathered + act["activations_kept"] + act["layer_working"] \
+        + act["attention_workspace"] + act["loss"]
+    step_peak = resident + state["step_fp32_gradients"]
+    peak = max(backward_peak, step_peak) / GiB + OVERHEAD_GB
+    host = (state["host_parameters"] + state["host_optimizer"] + act["host_activations"]) / GiB
+    parts_gb = {k: v / GiB for k, v in parts.items()}
+    parts_gb |= {"host_parameters": state["host_parameters"] / GiB, "host_optimizer": state["host_optimizer"] / GiB,
+                 "host_activations": act["host_activations"] / GiB}
+    notes = [f"peak = max(backward {backward_peak / GiB:.1f}, optimizer step {step_peak / GiB:.1f}) GiB "
+             f"+ {OVERHEAD_GB} GiB context and fragmentation"]
+    if opt.sp_degree > shape.kv_heads:
+        notes.append(f"sp_degree {opt.sp_degree} > {shape.kv_heads} KV heads: each rank holds one KV head (replicated)")
+    return Plan(parts=parts_gb, peak_gb=peak, host_gb=host, gpu_gb=gpu_gb, host_limit_gb=host_limit_gb,
+                options=opt, workload=work, notes=notes)
+
+
+def ladder(opt: Options, work: Workload) -> List[Options]:
+    """The fixed order in which memory options are turned on, each step keeping the ones before:
+    activation checkpointing, tiled MLPs and norms, the layers' inputs on the host, optimizer state on
+    the host (ZeRO-2 when ZeRO was off), ZeRO-3, parameters on the host, then doubling the SP degree
+    (while it divides the world size and the sequence length)."""
+    steps, cur = [], opt
+
+    def step(**kw):
+        nonlocal cur
+        new = dataclasses.replace(cur, **kw)
+        if new != cur:
+            steps.append(new)
+        cur = new
+
+    step(activation_checkpointing=True)
+    step(tile_tokens=cur.tile_tokens or TILE_TOKENS)
+    step(offload_activations=True)
+    step(offload_optimizer=True, zero_stage=max(cur.zero_stage, 2))
+    step(zero_stage=3)
+    step(offload_params=True)
+    while (cur.sp_degree * 2 <= work.world_size and work.world_size % (cur.sp_degree * 2) == 0
+           and work.seq_len % (cur.sp_degree * 2) == 0):
+        step(sp_degree=cur.sp_degree * 2)
+    return steps
+
+
+def plan(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H200_GB,
+         host_limit_gb: Optional[float] = None) -> Plan:
+    """:func:`predict`, and when it does not fit, the first step of :func:`ladder` that does
+    (``Plan.fix``: the overrides; ``[]`` when none does)."""
+    result = predict(shape, opt, work, gpu_gb, host_limit_gb)
+    if not result.fits:
+        result.fix = []
+        for candidate in ladder(opt, work):
+            if predict(shape, candidate, work, gpu_gb, host_limit_gb).fits:
+                result.fix = candidate.overrides(opt)
+                break
+    return result
+
+
+def host_memory_gb() -> float:
+    """Physical memory of this host, GiB."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+
+
+def plan_of_config(cfg, world_size: Optional[int] = None, gpu_gb: Optional[float] = None,
+                   host_limit_gb: Optional[float] = None, on_cuda: bool = True) -> Plan:
+    """The plan of a typed ``RootConfig`` (``train.plan_world_size``, ``train.plan_gpu_gb`` unless
+    given): its model shape from the HF config on the meta device, no weights built."""
+    t = cfg.train
+    world = world_size or t.plan_world_size or cfg.parallel.sp_degree
+    if world % cfg.parallel.sp_degree:
+        raise ValueError(f"train.plan_world_size={world} must be a multiple of parallel.sp_degree="
+                         f"{cfg.parallel.sp_degree}")
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and on_cuda)
+    work = Workload(seq_len=t.seq_len, attention=cfg.attention.name, world_size=world, bf16=bf16,
+                    loss_chunk_tokens=t.loss_chunk_tokens, loss_impl=t.loss_impl,
+                    cmp_stride=cfg.attention.cmp_stride, slc_topk=cfg.attention.slc_topk)
+    shape = ModelShape.from_config(cfg.model, cfg.attention)
+    return plan(shape, Options.from_config(cfg, on_cuda), work, gpu_gb or t.plan_gpu_gb or visible_gpu_gb(),
+                host_limit_gb)
+
+
+def visible_gpu_gb() -> float:
+    """Memory of the first visible GPU, GiB, or an H200's when there is none (plans for a GPU machine
+    are often made on a laptop)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GiB
+    return H200_GB
+
+
+def print_plan(cfg) -> Plan:
+    """``train.plan=true``: print the plan of the config and write ``<train.output_dir>/plan.json``."""
+    # a plan is for GPUs (bf16 and the fused kernels by default), wherever it is made
+    result = plan_of_config(cfg, on_cuda=cfg.train.precision != "fp32")
+    print(render(result, f"memory plan of recipe {cfg.recipe_name}"))
+    path = write_plan(result, Path(cfg.train.output_dir))
+    print(f"written: {path}")
+    return result
+
+
+PART_LABELS = {
+    "parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state (fp32 master + AdamW)",
+    "zero3_gathered_layer": "ZeRO-3: one layer gathered", "activations_kept": "activations kept by every layer",
+    "layer_working": "one layer recomputed + its backward", "attention_workspace": "attention workspace",
+    "loss": "logits / loss chunk", "step_fp32_gradients": "optimizer step: fp32 gradients",
+    "host_parameters": "host: parameters", "host_optimizer": "host: optimizer state",
+    "host_activations": "host: layer inputs",
+}
+
+
+def render(result: Plan, title: str) -> str:
+    """The plan as a rich table (plain text when rich is missing), with the verdict and the fix."""
+    rows = [(PART_LABELS.get(k, k), f"{v:,.2f}") for k, v in result.parts.items() if v]
+    o, w = result.options, result.workload
+    head = (f"{title}: attention={w.attention} seq_len={w.seq_len:,} world={w.world_size} sp={o.sp_degree} "
+            f"ZeRO-{o.zero_stage} ckpt={o.activation_checkpointing} tile={o.tile_tokens} "
+            f"offload(act/opt/params)={o.offload_activations}/{o.offload_optimizer}/{o.offload_params}")
+    verdict = (f"predicted peak {result.peak_gb:,.1f} GiB per GPU of {result.gpu_gb:,.0f}; host "
+               f"{result.host_gb * result.ranks_per_host:,.1f} GiB for {result.ranks_per_host} rank(s)"
+               + (f" of {result.host_limit_gb:,.0f}" if result.host_limit_gb else "")
+               + (": fits" if result.fits else ": does NOT fit"))
+    if result.fix:
+        verdict += "\nwould fit with: " + " ".join(result.fix)
+    elif result.fix == []:
+        verdict += "\nno option of the ladder makes it fit: more GPUs (train.plan_world_size) or a shorter train.seq_len"
+    try:
+        import io
+
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        return "\n".join([head, *(f"  {a:<42}{b:>10}" for a, b in rows), verdict, *result.notes])
+    table = Table(title=head, title_justify="left")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for a, b in rows:
+        table.add_row(a, b)
+    table.add_row("[bold]peak per GPU[/bold]", f"[bold]{result.peak_gb:,.2f}[/bold]")
+    buf = io.StringIO()
+    Console(file=buf, width=110, force_terminal=False).print(table)
+    return buf.getvalue() + verdict + "\n" + "\n".join(result.notes)
+
+
+def write_plan(result: Plan, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "plan.json"
+    path.write_text(json.dumps(result.to_dict(), indent=2))
+    return path
+
+
+def check_fit(cfg, world_size: int, device) -> Optional[str]:
+    """Before the model is built: the reason the run cannot fit this machine, or None. On CUDA
+    against the device's memory (and the host's for what is offloaded), on CPU, where everything
+    lives in host memory, the whole per-rank need against the host's memory."""
+    import torch
+
+    host = host_memory_gb()
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        result = plan_of_config(cfg, world_size, gpu_gb=total / GiB, host_limit_gb=host, on_cuda=True)
+        host_need = result.host_gb * result.ranks_per_host
+        if result.peak_gb <= REFUSE_FACTOR * result.gpu_gb and host_need <= REFUSE_FACTOR * host:
+            return None
+        need = f"{result.peak_gb:,.1f} GiB per GPU (this one has {total / GiB:,.1f})"
+        if result.peak_gb <= REFUSE_FACTOR * result.gpu_gb:
+            need = f"{host_need:,.1f} GiB of host memory (this host has {host:,.1f})"
+    else:
+        result = plan_of_config(cfg, world_size, gpu_gb=float("inf"), on_cuda=False)
+        total_gb = result.peak_gb + result.host_gb
+        if total_gb * world_size <= REFUSE_FACTOR * host:
+            return None
+        need = f"{total_gb * world_size:,.1f} GiB of host memory for {world_size} rank(s) (this host has {host:,.1f})"
+        result.fix = None
+    fix = f"; would fit with: {' '.join(result.fix)}" if result.fix else ""
+    return (f"the planner predicts this run needs {need} at train.seq_len={cfg.train.seq_len}, "
+            f"attention={cfg.attention.name}{fix}. `msa-train ... train.plan=true` prints the breakdown "
+            "(docs/trainer.md, 'Memory planner').")

@@ -1,0 +1,109 @@
+"""The end-to-end report, the longest-sequence search and the benchmark's labels, on CPU with fake runs."""
+import json
+import math
+
+import pytest
+
+from msa_train import bench, bench_report
+from msa_train.bench_report import Point
+
+
+def test_per_layer_fit_recovers_known_slopes():
+    fit = bench_report.fit_per_layer([4, 8, 16], [0.3 + 0.05 * L for L in (4, 8, 16)])
+    assert fit["fixed_s"] == pytest.approx(0.3) and fit["per_layer_s"] == pytest.approx(0.05)
+    assert fit["relative_residual"] == pytest.approx(0, abs=1e-12)
+    noisy = bench_report.fit_per_layer([4, 8, 16], [0.5, 0.68, 1.12])  # off the line: the residual says so
+    assert noisy["relative_residual"] > 0.01
+    with pytest.raises(ValueError, match="2 distinct depths"):
+        bench_report.fit_per_layer([4, 4], [1.0, 1.1])
+
+
+def _fake_run(calls):
+    def run(pt: Point):
+        calls.append(pt.key)
+        if pt.layers == 32 and pt.attention == "full" and pt.seq_len == 2048:
+            return {"ok": False, "error": "OOM"}  # that point falls back to the per-layer fit
+        attn = {"full": 2e-6, "nsa": 0.8e-6, "fmsa": 0.6e-6}[pt.attention] * pt.seq_len
+        return {"ok": True, "step_s": 0.1 + pt.layers * (0.01 + attn), "peak_memory_gb": 1.0 + pt.layers / 10,
+                "phase_s": {"forward_backward": 0.2, "optimizer": 0.01}, "dense_kernel": "sdpa", "impl": "ref"}
+    return run
+
+
+def test_report_on_a_tiny_grid_writes_every_file_and_column_and_resumes(tmp_path):
+    points = bench_report.grid(["llama3_8b"], [1024, 2048], depths=[2, 4, 32])
+    calls = []
+    results = tmp_path / "points.jsonl"
+    first = bench_report.run_grid(points, results, _fake_run(calls), max_seconds=2.5,
+                                  clock=iter(range(1000)).__next__)  # one tick a call: two points, then stop
+    assert len(first) == 2 and len(calls) == 2
+    rows = bench_report.run_grid(points, results, _fake_run(calls))  # the rerun skips the two done
+    assert len(calls) == len(points) and len(set(calls)) == len(points) and len(rows) == len(points)
+    shapes = {"llama3_8b": {"layers": 32, "heads": 32, "head_dim": 128, "n_matmul": 7_000_000_000,
+                            "peak_tflops": 989.4}}
+    table = bench_report.summarise_rows(rows, shapes)
+    bench_report.write_report(table, tmp_path, {"device": "cpu"})
+    for name in ("latest.json", "latest.md", "latest.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    md = (tmp_path / "latest.md").read_text().splitlines()
+    header = next(line for line in md if line.startswith("| model"))
+    assert [c.strip() for c in header.strip("|").split("|")] == list(bench_report.COLUMNS)
+    by = {(r["attention"], r["seq_len"], r["options"]): r for r in json.loads((tmp_path / "latest.json").read_text())["rows"]}
+    fitted = by[("full", 2048, "same")]
+    assert fitted["source"].startswith("fit over 2 depths") and fitted["step_s"] == pytest.approx(0.1 + 32 * (0.01 + 2e-6 * 2048))
+    measured = by[("fmsa", 2048, "same")]
+    assert measured["source"] == "measured"
+    assert measured["speedup_over_full"] == pytest.approx(fitted["step_s"] / measured["step_s"])
+    assert measured["speedup_over_nsa"] > 1
+    assert measured["mfu"] == pytest.approx(bench_report.mfu(2048 / measured["step_s"], 7_000_000_000, 32, 32, 128,
+                                                             2048, "fmsa", 989.4))
+    assert fitted["mfu"]["actual"] == fitted["mfu"]["dense_equivalent"]  # dense: one count
+
+
+def test_sparse_flops_follow_the_branch_formulas():
+    T, HQ, D = 65536, 32, 128
+    f = bench_report.sparse_attention_flops_per_token(T, HQ, D, kv_heads=8)
+    attn = 4 * HQ * D * (T / 32 + 16 * 64 + 512)
+    phi = 4 * 8 * 32 * D * D / 16
+    assert f == pytest.approx(3 * (attn + phi))
+    dense = 12 * HQ * D * T / 2  # metrics.model_flops_per_token's attention term
+    assert 6 < dense / f < 16  # DESIGN.md: about 8x fewer at 64K, tending to 16x
+
+
+@pytest.mark.parametrize("threshold,start", [(300_000, 65536), (300_000, 1 << 20), (5000, 1 << 16), (40, 64)])
+def test_longest_finds_the_threshold_in_logarithmic_trials(threshold, start):
+    multiple = 64
+    best, tried = bench_report.longest(lambda T: T <= threshold, start, multiple)
+    assert best == (threshold // multiple) * multiple
+    assert tried[0] == start  # from the planner's estimate
+    assert len(tried) <= 2 * math.log2(max(threshold, start) / multiple) + 3
+
+
+def test_the_benchmark_writes_under_runs_and_labels_what_ran(tmp_path, monkeypatch):
+    stem = bench.default_stem("tiny", "cpu")
+    assert stem.parts[0] == "runs" and not stem.is_absolute()  # relative to the working dir, never the source tree
+    labels = bench.what_ran("fmsa", "cpu")
+    assert "PyTorch reference" in labels["impl"] and labels["device"] == "cpu"
+    assert "Triton" in bench.what_ran("fmsa", "NVIDIA H200")["impl"]
+    assert "sdpa_cudnn" in bench.what_ran("full", "NVIDIA H200")["impl"]
+    result = {"recipe": "tiny", "device": "cpu", "attention": ["full", "fmsa"], "seq_lens": [512], "points": [
+        {"attention": "full", "seq_len": 512, "tokens_per_s": 100.0, "peak_memory_gb": 1.0},
+        {"attention": "fmsa", "seq_len": 512, "tokens_per_s": 10.0, "peak_memory_gb": 1.0}]}
+    bench.write_outputs(result, tmp_path / "e2e")
+    md = (tmp_path / "e2e.md").read_text()
+    assert "max RSS" in md and "max_memory_allocated" not in md and "PyTorch reference" in md
+
+
+def test_fastest_options_are_the_first_the_planner_fits_at_full_depth():
+    seen = []
+
+    def fits(overrides):  # a fake planner: only with the optimizer state on the host
+        seen.append(overrides)
+        return "parallel.offload_optimizer=true" in overrides
+
+    point = Point("llama3_8b", "fmsa", 65536, 4, "fastest")
+    over = bench_report.point_overrides(point, fits)
+    assert over[:2] == ["model=llama3_8b", "model.hf_config.num_hidden_layers=4"]
+    assert "parallel.activation_checkpointing=false" in over and "parallel.offload_optimizer=true" in over
+    assert all("model.hf_config.num_hidden_layers=32" in o for o in seen)  # chosen at full depth
+    same = bench_report.point_overrides(Point("llama3_8b", "full", 65536, 4, "same"), fits)
+    assert set(bench_report.SAME_OPTIONS) <= set(same)

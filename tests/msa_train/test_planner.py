@@ -1,0 +1,120 @@
+"""The memory planner's arithmetic against hand-computed cases, its ladder, and its CLI and trainer hooks."""
+import json
+
+import pytest
+import torch
+
+from msa_train.parallel import planner
+from msa_train.parallel.planner import GiB, ModelShape, Options, Workload
+from tests.msa_train._util import FAST, compose
+
+B = 10 ** 9
+LLAMA3_8B = ModelShape(params=8_030_261_248, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                       head_dim=128, vocab=128256)
+
+
+@pytest.mark.parametrize("zero,world,expect", [
+    # bf16 mixed precision: 2 bytes parameters, 2 gradients, 12 fp32 master + AdamW moments, 4 fp32
+    # gradients in the step; ZeRO-1 shards the 12 + 4, ZeRO-2 the gradients too, ZeRO-3 the parameters too
+    (0, 1, dict(parameters=2 * B, gradients=2 * B, optimizer_state=12 * B, step_fp32_gradients=4 * B)),
+    (0, 8, dict(parameters=2 * B, gradients=2 * B, optimizer_state=12 * B, step_fp32_gradients=4 * B)),
+    (1, 8, dict(parameters=2 * B, gradients=2 * B, optimizer_state=1.5 * B, step_fp32_gradients=0.5 * B)),
+    (2, 1, dict(parameters=2 * B, gradients=2 * B, optimizer_state=12 * B, step_fp32_gradients=4 * B)),
+    (2, 8, dict(parameters=2 * B, gradients=0.25 * B, optimizer_state=1.5 * B, step_fp32_gradients=0.5 * B)),
+    (3, 8, dict(parameters=0.25 * B, gradients=0.25 * B, optimizer_state=1.5 * B, step_fp32_gradients=0.5 * B)),
+], ids=["zero0-w1", "zero0-w8", "zero1-w8", "zero2-w1", "zero2-w8", "zero3-w8"])
+def test_model_state_of_a_1b_model(zero, world, expect):
+    got = planner.model_state_bytes(B, Options(zero_stage=zero), world)
+    assert {k: got[k] for k in expect} == pytest.approx(expect)
+    assert got["host_optimizer"] == got["host_parameters"] == 0
+
+
+def test_offloaded_state_moves_to_the_host():
+    got = planner.model_state_bytes(B, Options(zero_stage=3, offload_optimizer=True, offload_params=True), 8)
+    assert got["optimizer_state"] == got["step_fp32_gradients"] == got["parameters"] == 0
+    assert got["host_optimizer"] == pytest.approx(2 * B)  # (12 + 4) / 8 bytes per parameter
+    assert got["host_parameters"] == pytest.approx(0.25 * B)
+    fp32 = planner.model_state_bytes(B, Options(), 1, bf16=False)  # torch AdamW on fp32 weights: no master copy
+    assert (fp32["parameters"], fp32["gradients"], fp32["optimizer_state"]) == (4 * B, 4 * B, 8 * B)
+
+
+def test_layer_bytes_per_token_match_the_measured_llama3_layer():
+    # parallel/memory.py counted 197 KiB per token (HF norms, plain MLP) and 53 tiled, with hooks
+    plain = planner.layer_saved_bytes_per_token(LLAMA3_8B, Options(fused_ops=False))
+    assert plain == {"norms": 2 * 24 * 1024, "mlp": 120 * 1024, "attention": 28 * 1024 + 128}
+    assert sum(plain.values()) / 1024 == pytest.approx(197, rel=0.01)
+    tiled = planner.layer_saved_bytes_per_token(LLAMA3_8B, Options(fused_ops=False, tile_tokens=32768))
+    assert sum(tiled.values()) / 1024 == pytest.approx(53, rel=0.02)
+
+
+def test_checkpointing_keeps_one_input_per_layer_and_offload_moves_them_to_the_host():
+    T = 65536
+    work = Workload(seq_len=T)
+    ckpt = planner.activation_bytes(LLAMA3_8B, Options(activation_checkpointing=True), work)
+    assert ckpt["activations_kept"] == 32 * T * 4096 * 2  # 16 GiB: 32 bf16 layer inputs
+    off = planner.activation_bytes(LLAMA3_8B, Options(activation_checkpointing=True, offload_activations=True), work)
+    assert off["host_activations"] == ckpt["activations_kept"] and off["activations_kept"] == 2 * T * 4096 * 2
+    plain = planner.activation_bytes(LLAMA3_8B, Options(), work)
+    assert plain["activations_kept"] > 10 * ckpt["activations_kept"]
+
+
+def test_sequence_parallel_heads_and_tokens():
+    assert planner.rank_heads(32, 8, 4) == (8, 2)
+    assert planner.rank_heads(40, 8, 16) == (2, 1)  # KV heads replicated past HK
+    one = planner.activation_bytes(LLAMA3_8B, Options(activation_checkpointing=True), Workload(seq_len=1 << 20))
+    eight = planner.activation_bytes(LLAMA3_8B, Options(activation_checkpointing=True, sp_degree=8),
+                                     Workload(seq_len=1 << 20, world_size=8))
+    assert eight["activations_kept"] == one["activations_kept"] / 8
+    assert eight["layer_working"] == pytest.approx(one["layer_working"] / 8, rel=0.01)
+
+
+def test_the_ladder_picks_the_first_option_that_fits():
+    work = Workload(seq_len=65536, attention="fmsa")
+    base = Options(zero_stage=2)
+    kept = planner.predict(LLAMA3_8B, base, work, gpu_gb=1e9)
+    ckpt = planner.predict(LLAMA3_8B, Options(zero_stage=2, activation_checkpointing=True), work, gpu_gb=1e9)
+    between = (kept.peak_gb + ckpt.peak_gb) / 2  # fits with checkpointing, not without
+    result = planner.plan(LLAMA3_8B, base, work, gpu_gb=between)
+    assert not result.fits and result.fix == ["parallel.activation_checkpointing=true"]
+    # 40 GB: nothing short of the optimizer state on the host fits the 8B model; ZeRO-0 moves to ZeRO-2 for it
+    small = planner.plan(LLAMA3_8B, Options(), Workload(seq_len=8192), gpu_gb=40)
+    assert {"parallel.zero_stage=2", "parallel.offload_optimizer=true"} <= set(small.fix), small.fix
+    assert "parallel.offload_params=true" not in small.fix
+    assert planner.plan(LLAMA3_8B, Options(), Workload(seq_len=1 << 24), gpu_gb=8).fix == []  # nothing fits
+    steps = planner.ladder(Options(), Workload(seq_len=65536, world_size=8))
+    assert [s.sp_degree for s in steps][-3:] == [2, 4, 8]
+
+
+def test_plan_true_prints_and_writes_plan_json_without_building(tmp_path, capsys, monkeypatch):
+    from msa_train.cli import compose as cli_compose
+    from msa_train.cli import run
+
+    monkeypatch.setattr("msa_train.trainer.Trainer.__init__", lambda *a: pytest.fail("the planner built a Trainer"))
+    cfg = cli_compose(["recipe=qwen3_14b_1m", "data=generated", "train.plan=true", "train.plan_world_size=8",
+                       f"train.output_dir={tmp_path}"], typed=False)
+    out = run(cfg)
+    printed = capsys.readouterr().out
+    assert "peak per GPU" in printed and "qwen3_14b_1m" in printed
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["workload"]["world_size"] == 8 and saved["options"]["sp_degree"] == 8
+    assert saved["fits"] == out["fits"] and saved["parts_gb"]["host_optimizer"] > 0
+
+
+def test_a_run_too_big_for_the_host_stops_before_building_saying_what_it_needs(tmp_path, monkeypatch):
+    from msa_train.trainer import Trainer
+
+    monkeypatch.setattr(planner, "host_memory_gb", lambda: 0.001)
+    monkeypatch.setattr("msa_train.models.build_model", lambda *a, **k: pytest.fail("built past the check"))
+    cfg = compose([*FAST, f"train.output_dir={tmp_path}", "train.device=cpu"])
+    with pytest.raises(ValueError, match=r"needs [\d.]+ GiB of host memory .*train.plan=true"):
+        Trainer(cfg)
+    cfg = compose(["recipe=qwen3_14b_1m", "data=generated", "parallel.sp_degree=1"])
+    reason = planner.check_fit(cfg, 1, torch.device("cpu"))
+    assert reason and "GiB of host memory" in reason
+
+
+def test_parameter_counts_read_as_people_write_them():
+    from msa_train.trainer import format_count
+
+    assert format_count(15_065_000_000) == "15.1B" and format_count(123_400_000) == "123M"
+    assert format_count(4_300) == "4.3K" and format_count(12) == "12"

@@ -37,13 +37,34 @@ Examples:
 """
 
 
-def _recipe_lines() -> str:
+def _first_sentence(text: str) -> str:
+    """Up to the first full stop that ends a sentence: one followed by a space or the end, outside
+    parentheses (so "(e.g. torchrun ...)" does not end it)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "." and depth <= 0 and (i + 1 == len(text) or text[i + 1] == " "):
+            return text[:i + 1]
+    return text
+
+
+def _recipe_lines(width: int = 100) -> str:
+    """Each recipe with the first sentence of its header comment, wrapped under its name."""
+    import textwrap
+
     lines = []
     for path in sorted(RECIPE_DIR.glob("*.yaml")):
-        doc = [ln[1:].strip() for ln in path.read_text().splitlines()
-               if ln.startswith("#") and not ln.startswith("# @package")]
-        first = doc[0].split(": ", 1)[-1] if doc else ""
-        lines.append(f"  {path.stem:<24}{first}")
+        doc = []
+        for ln in path.read_text().splitlines():
+            if not ln.startswith("#"):
+                break  # the header comment ends at the first line of YAML
+            if not ln.startswith("# @package"):
+                doc.append(ln[1:].strip())
+        text = " ".join(doc)
+        if text.startswith(f"{path.stem}: "):
+            text = text[len(path.stem) + 2:]
+        lines.append(textwrap.fill(_first_sentence(text), width, initial_indent=f"  {path.stem:<24}",
+                                   subsequent_indent=" " * 26))
     return "\n".join(lines)
 
 
@@ -99,6 +120,13 @@ def run(cfg) -> dict:
         from msa_train.parallel.memory import out_of_memory_hint
 
         raise torch.OutOfMemoryError(f"{e}\n\nmsa-train: {out_of_memory_hint(typed)}") from e
+    except RuntimeError as e:  # a collective that timed out or lost its peer: which rank, and the setting
+        from msa_train.parallel.distributed import peer_lost
+
+        lost = peer_lost(e, typed.parallel.timeout_s)
+        if lost is None:
+            raise
+        raise lost from e
     _shutdown_distributed()
     return summary
 
@@ -183,6 +211,55 @@ def take_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
+def is_user_error(e: BaseException) -> bool:
+    """Errors of the configuration or the data, which the message alone explains: Hydra's and
+    OmegaConf's composition errors, and the ValueError / TypeError that msa_train and flash_msa raise
+    on purpose (their innermost frame is in these packages; one from deep inside torch is a bug)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(e, (HydraException, OmegaConfBaseException)):
+        return True
+    if not isinstance(e, (ValueError, TypeError)):
+        return False
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    ours = (str(PACKAGE), str(Path(flash_msa_dir()).resolve()))
+    return tb is None or str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(ours)
+
+
+def flash_msa_dir() -> str:
+    import flash_msa
+
+    return str(Path(flash_msa.__file__).parent)
+
+
+def error_message(e: BaseException) -> str:
+    """The message of a user error, with Hydra's composition errors made specific: the options of a
+    group, or a did-you-mean for a misspelt key (Hydra's own hint, ``+key``, would add it)."""
+    import re
+
+    from hydra.errors import HydraException, MissingConfigException
+
+    from msa_train.config import did_you_mean
+
+    text = str(e).strip()
+    if isinstance(e, MissingConfigException) and e.options:
+        group = re.search(r"Could not find '([^'/]+)/", text)
+        first = text.splitlines()[0].removeprefix("In 'config': ")
+        return f"{first}; {'config group ' + repr(group.group(1)) + ' has' if group else 'choose one of'}: " \
+               f"{', '.join(sorted(e.options))}"
+    missing = re.match(r"Could not override '([^']+)'", text)
+    if missing and "To append to your config use +" in text:
+        key = missing.group(1)
+        return f"{key}: no such setting{did_you_mean(key) or ''}; `msa-train --cfg job` prints every setting"
+    cause = e.__cause__  # Hydra's composition errors keep OmegaConf's reason in their cause
+    if isinstance(e, HydraException) and cause is not None and str(cause).strip() and str(cause).strip() not in text:
+        text = f"{text.splitlines()[0]}: {str(cause).strip().splitlines()[0]}"
+    return text
+
+
 def main() -> None:
     import hydra
 
@@ -193,13 +270,63 @@ def main() -> None:
                          "incomplete; reinstall msa-train (pip install <repo>, or pip install -e <repo>).")
     register_all()
 
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    full_error = previous == "1"
+
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
     def _app(cfg) -> None:
-        run(cfg)
+        try:
+            run(cfg)
+        except Exception as e:  # here, before Hydra adds its "Error executing job" line
+            _report(e, full_error)
 
-    _app()  # (a failed run raises, and Hydra exits 1, before this point)
+    # Hydra hands a failed composition to its caller only under HYDRA_FULL_ERROR=1; otherwise it prints
+    # it and exits 1 itself, and user errors could not be told from bugs. So it is set for the call, and
+    # whether the user had set it decides whether a user error shows its traceback.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _app()
+    except Exception as e:
+        _report(e, full_error)
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
     if _ENDED_DISTRIBUTED:
         _exit_after_distributed_run()
+
+
+def _report(e: Exception, full_error: bool) -> None:
+    """A user error (exit 2) or a lost peer (exit 1) as one line "msa-train: error: ...", its traceback
+    only with HYDRA_FULL_ERROR=1; anything else is a bug and raises on with its traceback (exit 1)."""
+    from msa_train.parallel.distributed import PeerLost
+
+    user = is_user_error(e)
+    if not (user or isinstance(e, PeerLost)):
+        raise e
+    if full_error:
+        import traceback
+
+        traceback.print_exception(e)
+    print(f"msa-train: error: {error_message(e)}", file=sys.stderr, flush=True)
+    _exit(2 if user else 1)
+
+
+def _exit(code: int) -> None:
+    """Exit with ``code``. With a process group still up (a rank failed mid-run, its peers may be
+    gone), skip the interpreter's finalisation, which would tear down communicator threads that are
+    still running (see _exit_after_distributed_run)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        import logging
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _register_help(text: str) -> None:

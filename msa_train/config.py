@@ -7,6 +7,8 @@ these objects, before the trainer builds anything.
 """
 from __future__ import annotations
 
+import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -31,7 +33,7 @@ def _choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
 
 
 def _at_least(key: str, value: Any, low: float, what: str = "") -> None:
-    if value is None or value < low:
+    if value is None or not value >= low:  # "not >=": NaN fails too
         raise ValueError(f"{key}={value!r} is not allowed; expected {what or f'a value >= {low}'}")
 
 
@@ -64,6 +66,12 @@ def head_layout(num_heads: int, num_kv_heads: int, sp_degree: int) -> HeadLayout
     raise ValueError(f"parallel.sp_degree={sp_degree} and the model's num_key_value_heads ({num_kv_heads}) must "
                      "divide one another: each rank gets num_key_value_heads / sp_degree KV heads, or each KV head "
                      "is replicated on sp_degree / num_key_value_heads ranks")
+
+
+def _finite(key: str, value: Any) -> None:
+    """inf and nan compare as numbers and would pass range checks, then poison the first step."""
+    if not math.isfinite(value):
+        raise ValueError(f"{key}={value!r} is not allowed; expected a finite number")
 
 
 @dataclass
@@ -123,8 +131,14 @@ class ParallelConfig:
     sp_degree: int = 1                   # sequence parallel degree (Ulysses): ranks per sequence
     backend: str = "auto"                # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     optimizer: str = "torch"             # torch (torch.optim.AdamW) | deepspeed (FusedAdam / cpu_adam, JIT-built)
+    # seconds a collective waits for the other ranks before the run fails naming the silent one
+    # (a stopped or hung rank would otherwise hold its peers for torch's default of 30 minutes)
+    timeout_s: float = 600.0
 
     def __post_init__(self):
+        _finite("parallel.timeout_s", self.timeout_s)
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s={self.timeout_s!r} is not allowed; expected seconds > 0")
         _choice("parallel.zero_stage", self.zero_stage, (0, 1, 2, 3))
         _choice("parallel.backend", self.backend, BACKENDS)
         _choice("parallel.optimizer", self.optimizer, OPTIMIZERS)
@@ -183,6 +197,10 @@ class TrainConfig:
             _at_least(f"train.{key}", getattr(self, key), 1, "an integer >= 1")
         for key in ("warmup_steps", "save_every", "keep_checkpoints", "profile_step", "plan_world_size"):
             _at_least(f"train.{key}", getattr(self, key), 0, "an integer >= 0")
+        for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "dpo_beta"):
+            _finite(f"train.{key}", getattr(self, key))
+        for i, b in enumerate(self.betas):
+            _finite(f"train.betas[{i}]", b)
         if not self.lr > 0:
             raise ValueError(f"train.lr={self.lr!r} is not allowed; expected a positive float")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -190,6 +208,7 @@ class TrainConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"train.betas={list(self.betas)!r} is not allowed; expected two floats in [0, 1)")
         _at_least("train.grad_clip", self.grad_clip, 0.0, "a float >= 0 (0 disables clipping)")
+        _at_least("train.weight_decay", self.weight_decay, 0.0, "a float >= 0 (0: no weight decay)")
         _choice("train.precision", self.precision, PRECISIONS)
         _choice("train.objective", self.objective, OBJECTIVES)
         _choice("train.loss_impl", self.loss_impl, LOSS_IMPLS)
@@ -295,9 +314,69 @@ def register_configs() -> None:
     cs.store(name="schema", node=typed_root)
 
 
+def schema_keys() -> List[str]:
+    """Every settable key (``train.lr``, ...) and config group (``recipe``, ``attention``, ...) of the schema."""
+    import dataclasses
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            sub = {"data": _data_config_cls()}.get(f.name) if cls is RootConfig else None
+            sub = sub or (f.type if isinstance(f.type, type) else _FIELD_TYPES.get(f.type))
+            yield prefix + f.name
+            if sub is not None and dataclasses.is_dataclass(sub):
+                yield from walk(sub, f"{prefix}{f.name}.")
+    return ["recipe", *walk(RootConfig, "")]
+
+
+def did_you_mean(key: str) -> str:
+    """`` (did you mean train.lr?)`` for a misspelt ``key``, or "" when nothing is close."""
+    close = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+# the annotations of RootConfig as strings (``from __future__ import annotations``)
+_FIELD_TYPES = {"ModelConfig": ModelConfig, "AttentionConfig": AttentionConfig, "ParallelConfig": ParallelConfig,
+                "TrainConfig": TrainConfig, "LoggerConfig": LoggerConfig, "EvalConfig": EvalConfig}
+
+
+def _unknown_keys(node, prefix: str = "") -> List[str]:
+    """Keys of a composed config that its schema does not declare. Hydra's ``+key=value`` adds them
+    without a check, and they would be dropped unread; free-form dict fields (``model.hf_config``)
+    take any key."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return []
+    declared = {f.name for f in dataclasses.fields(schema)}
+    def leaves(value, key):  # +trian.lr=1 adds {"trian": {"lr": 1}}: the leaf is what was typed
+        return [k for sub, v in value.items() for k in leaves(v, f"{key}.{sub}")] if isinstance(value, dict) else [key]
+
+    out = []
+    for key in node.keys():
+        child = node._get_node(key)
+        is_dict = isinstance(child, DictConfig) and not child._is_missing() and not child._is_none()
+        if key not in declared:
+            out += leaves(OmegaConf.to_container(child), f"{prefix}{key}") if is_dict else [f"{prefix}{key}"]
+        elif is_dict:
+            out += _unknown_keys(child, f"{prefix}{key}.")
+    return out
+
+
 def to_typed(cfg) -> RootConfig:
-    """DictConfig -> validated dataclasses (runs every ``__post_init__``)."""
+    """DictConfig -> validated dataclasses (runs every ``__post_init__``).
+
+    Raises:
+        ValueError: a key the schema does not know (added with ``+key=value``), or any value check.
+    """
     from omegaconf import OmegaConf
 
+    unknown = _unknown_keys(cfg)
+    if unknown:
+        shown = "; ".join(f"+{k}{did_you_mean(k)}" for k in unknown)
+        raise ValueError(f"unknown setting: {shown}. Only free-form settings such as model.hf_config take new keys "
+                         "(+model.hf_config.rope_theta=1e6); `msa-train --cfg job` prints every setting")
     obj = OmegaConf.to_object(cfg)
     return obj

@@ -48,8 +48,9 @@ class StopSignals:
         self._previous = {}
 
 
-def control_group(backend: str, world_size: int):
-    """A gloo group for host-side control messages (None: the default group is gloo already, or one rank)."""
+def control_group(backend: str, world_size: int, timeout=None):
+    """A gloo group for host-side control messages (None: the default group is gloo already, or one rank);
+    ``timeout`` (a timedelta) bounds its collectives, as the default group's."""
     if world_size == 1 or backend == "gloo":
         return None
-    return dist.new_group(backend="gloo")  # collective: every rank creates it
+    return dist.new_group(backend="gloo", timeout=timeout)  # collective: every rank creates it

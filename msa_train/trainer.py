@@ -28,6 +28,7 @@ from msa_train.config import RootConfig
 from msa_train.loss import IGNORE_INDEX
 from msa_train.metrics import (MetricsLogger, PhaseTimer, log_on_rank_zero_only, model_flops_per_token,
                                peak_memory_gb, peak_tflops)
+from msa_train.parallel.distributed import bound_collectives
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class Trainer:
             t0 = time.perf_counter()
             getattr(self, f"_build_{name}")()
             self.startup_s[name] = round(time.perf_counter() - t0, 3)
+        bound_collectives(self.dist.timeout)  # the groups DeepSpeed made too (parallel.timeout_s)
         if self.dist.is_main:
             log.info("startup: %s", ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
 
@@ -141,7 +143,7 @@ class Trainer:
         from msa_train.preemption import control_group
 
         cfg = self.cfg
-        self.dist = init_distributed(cfg.train.device, cfg.parallel.backend)
+        self.dist = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_s)
         log_on_rank_zero_only(self.dist.rank)
         self.device = self.dist.device
         precision = cfg.train.precision
@@ -151,9 +153,11 @@ class Trainer:
         self.ds_config = build_deepspeed_config(
             cfg.parallel, cfg.train, world_size=self.dist.world_size, bf16=self.bf16)
         # data-parallel ranks and sequence-parallel groups (msa_train/parallel/sequence.py)
-        self.layout = build_layout(cfg.parallel.sp_degree, self.dist.rank, self.dist.world_size)
+        self.layout = build_layout(cfg.parallel.sp_degree, self.dist.rank, self.dist.world_size,
+                                   timeout=self.dist.timeout)
         self.sp = self.layout.sp
-        self._control = control_group(self.dist.backend, self.dist.world_size)  # for the stop-signal agreement
+        # for the stop-signal agreement
+        self._control = control_group(self.dist.backend, self.dist.world_size, self.dist.timeout)
         self.run_dir = Path(cfg.train.output_dir).resolve()
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

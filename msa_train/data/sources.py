@@ -131,8 +131,14 @@ def _raw_records(path: str, ftype: str, cfg: DataConfig) -> Iterator[tuple[str, 
             return
         # only the configured fields (a wide table's other columns are never read); a missing one
         # is left out, so its records fail validation with the field's name
-        names = set(pf.schema_arrow.names)
+        names = pf.schema_arrow.names
         columns = [c for c in _record_fields(cfg) if c in names]
+        if not columns:  # none of the fields: name the columns there are, not a row's (empty) fields
+            fields = " / ".join(f"data.{k}={getattr(cfg, k)!r}" for k in _field_settings(cfg))
+            yield (f"{path}:row 0", None, f"no column named as {fields}; the file's columns are: "
+                   f"{', '.join(names) or 'none'} (set {' / '.join('data.' + k for k in _field_settings(cfg))} "
+                   "to one of them)")
+            return
         row = 0
         for batch in pf.iter_batches(batch_size=1024, columns=columns):
             for rec in batch.to_pylist():
@@ -142,6 +148,12 @@ def _raw_records(path: str, ftype: str, cfg: DataConfig) -> Iterator[tuple[str, 
         yield from _txt_records(path, cfg.text_sample_by, cfg.text_field)
     else:
         raise AssertionError(ftype)
+
+
+def _field_settings(cfg: DataConfig) -> list[str]:
+    """The data.* settings that name the fields of ``cfg.format``."""
+    return {"sft": ["messages_field", "prompt_field", "response_field"],
+            "preference": ["prompt_field", "chosen_field", "rejected_field"]}.get(cfg.format, ["text_field"])
 
 
 def _record_fields(cfg: DataConfig) -> list[str]:
@@ -200,7 +212,17 @@ def _get_str(rec: dict, name: str, allow_empty: bool = False) -> str:
         raise _Bad(f"field {name!r} must be a string, got {_type_name(value)}")
     if not allow_empty and not value.strip():
         raise _Bad(f"field {name!r} is empty")
+    _check_unicode(value, name)
     return value
+
+
+def _check_unicode(value: str, name: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer or Arrow column can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _Bad(f"field {name!r} is not valid Unicode: a lone surrogate {value[e.start]!r} at character "
+                   f"{e.start}") from None
 
 
 def _get_messages(rec: dict, name: str) -> list[dict]:
@@ -216,6 +238,7 @@ def _get_messages(rec: dict, name: str) -> list[dict]:
             raise _Bad(f"{name}[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
         if not isinstance(content, str):
             raise _Bad(f"{name}[{i}].content must be a string, got {_type_name(content)}")
+        _check_unicode(content, f"{name}[{i}].content")
         out.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
         raise _Bad(f"field {name!r} has no non-empty assistant message, so nothing would be trained")
@@ -300,14 +323,18 @@ class RecordReport:
         return "\n".join(lines)
 
 
-def check_report(report: RecordReport, max_bad_fraction: float) -> None:
+def check_report(report: RecordReport, max_bad_fraction: float, files: Optional[list] = None) -> None:
     """Fail above the threshold, warn below it.
 
     Raises:
         DataValidationError: no valid record, or a bad fraction above ``max_bad_fraction``.
     """
     if report.total == 0:
-        raise DataValidationError("data: the files hold no records")
+        names = [f[0] for f in files or []]
+        where = (f"{names[0]} holds" if len(names) == 1 else
+                 f"the {len(names)} files ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) hold") \
+            if names else "the files hold"
+        raise DataValidationError(f"data: {where} no records (empty, or only blank lines); check data.path")
     if report.num_bad == report.total or report.bad_fraction > max_bad_fraction:
         raise DataValidationError(
             f"data: {report.summary()}\nwhich is above data.max_bad_fraction={max_bad_fraction}. "
@@ -341,7 +368,7 @@ def load_records(cfg: DataConfig) -> tuple[datasets.Dataset, RecordReport]:
     if bad:
         sources = column(ds.select(bad[:RecordReport.MAX_EXAMPLES]), SOURCE_COL)
         report.examples = [f"{s}: {errors[i]}" for s, i in zip(sources, bad)]
-    check_report(report, cfg.max_bad_fraction)
+    check_report(report, cfg.max_bad_fraction, files)
     if bad:
         bad_set = set(bad)
         ds = ds.select([i for i in range(len(ds)) if i not in bad_set])

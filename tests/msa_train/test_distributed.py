@@ -64,3 +64,49 @@ def test_deepspeed_launcher_runs_the_cli(tmp_path):
     assert [r["step"] for r in two] == [1, 2]
     for a, b in zip(ref, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
+
+
+def test_a_stopped_rank_fails_its_peer_within_the_timeout_naming_it(tmp_path):
+    """Rank 1 is SIGSTOPped mid-training: rank 0's next collective times out after parallel.timeout_s
+    (not torch's default 30 minutes) and the run fails with a message naming rank 1 and the setting."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    timeout_s = 4
+    args = ["attention=full", "train.steps=500", "train.seq_len=128", *FAST, "train.save_final=false",
+            f"parallel.timeout_s={timeout_s}", f"train.output_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_port()), "-m", "msa_train.cli", *args]
+    log = open(tmp_path / "log.txt", "w+")
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 240
+        while not ((tmp_path / "metrics.jsonl").is_file() and (tmp_path / "metrics.jsonl").read_text().strip()):
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        workers = {int(p.environ()["RANK"]): p for p in psutil.Process(launcher.pid).children(recursive=True)
+                   if "RANK" in p.environ()}
+        stopped = workers[1]
+        stopped.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        psutil.wait_procs([workers[0]], timeout=2 * timeout_s + 30)
+        elapsed = time.monotonic() - t0
+        assert not workers[0].is_running(), ("rank 0 still waits for the stopped rank", (tmp_path / "log.txt").read_text()[-3000:])
+    finally:
+        if stopped is not None:
+            os.kill(stopped.pid, signal.SIGKILL)  # a stopped process takes SIGKILL (torchrun's SIGTERM waits)
+        try:
+            launcher.wait(timeout=60)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    out = (tmp_path / "log.txt").read_text()
+    assert launcher.returncode != 0
+    assert elapsed < 2 * timeout_s + 20, elapsed  # the timeout, the barrier that names the rank, a margin
+    assert (f"msa-train: error: rank 0: a collective got no answer from rank 1 within parallel.timeout_s={timeout_s} s"
+            in out), out[-3000:]
+    assert "Traceback" not in out.split("msa-train: error:")[0].splitlines()[-1]

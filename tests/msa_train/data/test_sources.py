@@ -191,3 +191,35 @@ def test_empty_txt_document_is_no_record(tmp_path, tok):
     (tmp_path / "b.txt").write_text("  \n")
     ds = build_packed_dataset(DataConfig(format="pretrain", path=str(tmp_path)), tok, 64)
     assert _texts(ds, tok) == ["one document\n"] and ds.report.num_bad == 0
+
+
+def test_a_lone_surrogate_is_a_bad_record_with_its_line(write_jsonl, tok):
+    from msa_train.data import DataConfig, DataValidationError, build_packed_dataset
+
+    path = write_jsonl("docs.jsonl", ['{"text": "\\ud800 x"}', {"text": "a good document"}])
+    with pytest.raises(DataValidationError, match=rf"{path}:1: field 'text' is not valid Unicode: a lone surrogate"):
+        build_packed_dataset(DataConfig(format="pretrain", path=path), tok, 64)
+    ds = build_packed_dataset(DataConfig(format="pretrain", path=path, max_bad_fraction=0.5), tok, 64)
+    assert ds.report.num_bad == 1 and ds.report.total == 2
+
+
+def test_a_parquet_file_without_the_text_column_names_its_columns(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from msa_train.data import DataConfig, DataValidationError, build_packed_dataset
+
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"body": ["one document", "another"], "id": [1, 2]}), path)
+    with pytest.raises(DataValidationError, match=r"no column named as data.text_field='text'; the file's columns "
+                                                  r"are: body, id \(set data.text_field to one of them\)"):
+        build_packed_dataset(DataConfig(format="pretrain", path=str(path)), tok, 64)
+    assert len(build_packed_dataset(DataConfig(format="pretrain", path=str(path), text_field="body"), tok, 64)) == 1
+
+
+def test_an_empty_file_is_named(write_jsonl, tok):
+    from msa_train.data import DataConfig, DataValidationError, build_packed_dataset
+
+    path = write_jsonl("empty.jsonl", [""])
+    with pytest.raises(DataValidationError, match=rf"data: {path} holds no records"):
+        build_packed_dataset(DataConfig(format="pretrain", path=path), tok, 64)

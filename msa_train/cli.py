@@ -220,8 +220,11 @@ def is_user_error(e: BaseException) -> bool:
 
     if isinstance(e, (HydraException, OmegaConfBaseException)):
         return True
-    if not isinstance(e, (ValueError, TypeError)):
-        return False
+    return isinstance(e, (ValueError, TypeError)) and _raised_by_us(e)
+
+
+def _raised_by_us(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e`` is in msa_train or flash_msa."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
@@ -303,7 +306,9 @@ def _report(e: Exception, full_error: bool) -> None:
     from msa_train.parallel.distributed import PeerLost
 
     user = is_user_error(e)
-    if not (user or isinstance(e, PeerLost)):
+    # a lost peer, or a write that failed (a full disk), explained by msa_train: one line, exit 1
+    reported = isinstance(e, PeerLost) or (isinstance(e, OSError) and _raised_by_us(e))
+    if not (user or reported):
         raise e
     if full_error:
         import traceback

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -117,6 +118,27 @@ def format_count(n: int) -> str:
     return str(n)
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """Create ``train.output_dir`` and make sure it and its ``checkpoints/`` take files, at startup
+    rather than at the first save. A file is written and removed: permission bits do not stop root,
+    a read-only mount or a path that is a file do."""
+    import tempfile
+
+    for path in (run_dir, run_dir / "checkpoints"):
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"train.output_dir: {path} exists and is not a directory; choose another "
+                             "train.output_dir or move the file")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for path in (run_dir, run_dir / "checkpoints"):
+            if path.is_dir():
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+    except OSError as e:
+        raise ValueError(f"train.output_dir={str(run_dir)!r}: cannot write there ({e.strerror or e}: "
+                         f"{e.filename or path}); choose a writable train.output_dir") from None
+
+
 class Trainer:
     """torchtitan-style trainer: ``__init__`` is the ordered list of ``_build_*`` steps."""
 
@@ -160,7 +182,7 @@ class Trainer:
         self._control = control_group(self.dist.backend, self.dist.world_size, self.dist.timeout)
         self.run_dir = Path(cfg.train.output_dir).resolve()
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            check_run_dir(self.run_dir)
         torch.manual_seed(cfg.train.seed)  # identical model init on every rank
 
     def _build_data(self) -> None:
@@ -713,7 +735,32 @@ class Trainer:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "recipe": self.cfg.recipe_name,
                          "train_steps": self.cfg.train.steps,
                          "world_size": self.dist.world_size, "run_config": self._run_config()}
-        self.ckpt.save(self.engine, self.step, trainer_state, {"sampler": self.sampler.state_dict()})
+        try:
+            self.ckpt.save(self.engine, self.step, trainer_state, {"sampler": self.sampler.state_dict()})
+        except (OSError, RuntimeError) as e:
+            raise self._save_failed(e) from e
+
+    def _save_failed(self, error: Exception) -> Exception:
+        """The error of a checkpoint write that failed: a full disk said as such (torch reports it as
+        "basic_ios::clear: iostream error" or "file write failed"), the partial write removed, and
+        which checkpoint resume=auto would continue from."""
+        from msa_train.checkpoint import find_latest
+
+        full = getattr(error, "errno", None) == errno.ENOSPC or any(
+            s in str(error) for s in ("No space left", "basic_ios::clear", "iostream error", "file write failed"))
+        if not full and not isinstance(error, OSError):
+            return error  # a RuntimeError of another kind: not a write failure
+        tmp = self.ckpt.root / f".tmp_step_{self.step:06d}"
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest = find_latest(self.ckpt.root)
+        intact = f"the last complete checkpoint, {latest}, is intact (train.resume=auto continues from it)" \
+            if latest else "no complete checkpoint was written before this one"
+        what = f"the disk holding {self.ckpt.root} is full" if full else f"writing to {self.ckpt.root} failed"
+        return OSError(errno.ENOSPC if full else getattr(error, "errno", None) or errno.EIO,
+                       f"checkpoint of step {self.step}: {what} ({str(error).strip().splitlines()[0]}); the partial "
+                       f"write {tmp.name} was removed and {intact}. Free space (or set train.keep_checkpoints lower, "
+                       "train.output_dir elsewhere) and resume")
 
     def train(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
         """Run to ``train.steps`` (or stop after step ``stop_after``, checkpointing there). A SIGTERM

@@ -74,7 +74,22 @@ RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "wa
 
 
 def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> None:
-    """Refuse to resume a checkpoint whose run was configured differently: it would not continue exactly."""
+    """Refuse to resume a checkpoint whose run was configured differently, or trained on data files
+    that have changed since: it would not continue exactly."""
+    saved, current = dict(saved), dict(current)
+    saved_files, files = saved.pop("data_files", None), current.pop("data_files", None)
+    allow_changed = current.get("data", {}).get("allow_changed", False)
+    for rc in (saved, current):  # a setting of the resume itself, not of the run
+        rc["data"] = {k: v for k, v in rc.get("data", {}).items() if k != "allow_changed"}
+    if saved_files is not None and files is not None and saved_files != files and not allow_changed:
+        before = {f["path"]: f for f in saved_files}
+        now = {f["path"]: f for f in files}
+        diff = [f"{p} {'is new' if p not in before else 'is gone' if p not in now else 'changed'}"
+                for p in sorted(before.keys() | now.keys()) if before.get(p) != now.get(p)]
+        raise ValueError(f"train.resume: the data changed since checkpoint {path} was written ({'; '.join(diff[:5])}"
+                         f"{'; ...' if len(diff) > 5 else ''}): the run would not continue on the same sequences. "
+                         "Restore the files, or resume anyway with data.allow_changed=true")
+
     def flat(d, prefix=""):
         out = {}
         for k, v in d.items():
@@ -188,7 +203,10 @@ class Trainer:
     def _build_data(self) -> None:
         from msa_train import data
 
+        from msa_train.data.sources import data_fingerprint
+
         cfg = self.cfg
+        self.data_fingerprint = data_fingerprint(cfg.data)  # checked on resume (check_resume_config)
         self.tokenizer = data.build_tokenizer(cfg.data, cfg.model.path)
         self.dataset, self.eval_dataset = data.build_packed_datasets(cfg.data, self.tokenizer, cfg.train.seq_len)
         self.passkey_probes = []
@@ -686,6 +704,7 @@ class Trainer:
         cfg = dataclasses.asdict(self.cfg)
         train = {k: cfg["train"][k] for k in RESUME_TRAIN_KEYS}
         return json.loads(json.dumps({"model": cfg["model"], "attention": cfg["attention"], "data": cfg["data"],
+                                      "data_files": self.data_fingerprint,
                                       "train": train, "world_size": self.dist.world_size,
                                       "sp_degree": self.cfg.parallel.sp_degree,
                                       "zero_stage": self.cfg.parallel.zero_stage}, default=str))

@@ -53,6 +53,8 @@ class DataConfig:
         num_proc: worker processes for tokenisation.
         cache_dir: where the loaded records and their tokenisation are cached.
             None keeps everything in memory and writes nothing to disk.
+        allow_changed: resume a checkpoint although the data files differ from those it
+            trained on (by size or the hash of their first and last MiB); by default refused.
     """
 
     format: str = "generated"
@@ -77,6 +79,7 @@ class DataConfig:
     long_prompt: str = "truncate_left"
     num_proc: int = 1
     cache_dir: Optional[str] = None
+    allow_changed: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:

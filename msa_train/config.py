@@ -25,6 +25,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 OBJECTIVES = ("lm", "dpo")
 LOSS_IMPLS = ("fused", "recompute")  # msa_train/loss.py
 NONFINITE_POLICIES = ("stop", "skip")
+NSA_INITS = ("default", "distill")      # msa_train/models/distill.py
 
 
 def _choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
@@ -81,9 +82,18 @@ class ModelConfig:
     model_type: str = "llama"            # llama | qwen2 | qwen3: picks the HF class and the patch
     path: Optional[str] = None           # local dir with config.json + safetensors (never downloaded)
     hf_config: Dict[str, Any] = field(default_factory=dict)  # AutoConfig values when path is None
+    # NSA's parameters at the start: "default" (phi = mean pooling, gates 1/3) or "distill" (then fitted
+    # to the dense attention output for nsa_distill_steps AdamW steps at nsa_distill_lr; models/distill.py)
+    nsa_init: str = "default"
+    nsa_distill_steps: int = 50
+    nsa_distill_lr: float = 1.0e-3
 
     def __post_init__(self):
         _choice("model.model_type", self.model_type, MODEL_TYPES)
+        _choice("model.nsa_init", self.nsa_init, NSA_INITS)
+        _at_least("model.nsa_distill_steps", self.nsa_distill_steps, 1, "an integer >= 1")
+        if not self.nsa_distill_lr > 0:
+            raise ValueError(f"model.nsa_distill_lr={self.nsa_distill_lr!r} is not allowed; expected a positive float")
         if self.path is None and not self.hf_config:
             raise ValueError("model: set model.path (a local HF checkpoint dir) or model.hf_config (config values)")
 
@@ -249,11 +259,26 @@ class EvalConfig:
     max_sequences: int = 0               # packed sequences (or pairs) per evaluation; 0 = all
     position_buckets: int = 6            # loss by position: [0, T/2^(n-1)), ..., [T/4, T/2), [T/2, T)
     passkey: int = 0                     # pass-key retrieval probes per evaluation (0 = none), train.seq_len long
+    # RULER-style retrieval over the held-out documents (msa_train/quality/tasks.py): tasks, a grid of
+    # probe lengths (empty: train.seq_len) x depths, probes per cell, exact match; retrieval_generate
+    # probes are also decoded with generate() through the KV cache, to check the teacher-forced score
+    retrieval: List[str] = field(default_factory=list)
+    retrieval_lengths: List[int] = field(default_factory=list)
+    retrieval_depths: int = 10
+    retrieval_probes: int = 4
+    retrieval_generate: int = 0
 
     def __post_init__(self):
-        for key in ("every", "max_sequences", "passkey"):
+        for key in ("every", "max_sequences", "passkey", "retrieval_generate"):
             _at_least(f"eval.{key}", getattr(self, key), 0, "an integer >= 0")
         _at_least("eval.position_buckets", self.position_buckets, 1, "an integer >= 1")
+        for key in ("retrieval_depths", "retrieval_probes"):
+            _at_least(f"eval.{key}", getattr(self, key), 1, "an integer >= 1")
+        if any(not isinstance(n, int) or n < 64 for n in self.retrieval_lengths):
+            raise ValueError(f"eval.retrieval_lengths={list(self.retrieval_lengths)!r}: expected integers >= 64")
+        if self.retrieval:
+            from msa_train.quality.tasks import check_tasks
+            check_tasks(self.retrieval)
 
 
 def _data_config_cls():
@@ -288,6 +313,9 @@ class RootConfig:
                              f"pairs, and pairs train with DPO (got train.objective={self.train.objective!r}, "
                              f"data.format={getattr(self.data, 'format', None)!r})")
         ev, has_data = self.eval, self.data.has_eval or self.eval.passkey > 0
+        if ev.retrieval and not self.data.has_eval:
+            raise ValueError("eval.retrieval needs held-out documents for its haystack: set data.eval_path (files) "
+                             "or data.eval_fraction")
         if (ev.every or ev.at_start or ev.only) and not has_data:
             what = "eval.only=true" if ev.only else f"eval.every={ev.every}" if ev.every else "eval.at_start=true"
             raise ValueError(f"{what} needs evaluation data: set data.eval_path (files) or data.eval_fraction (held-out "
@@ -295,6 +323,10 @@ class RootConfig:
         if 2 ** (ev.position_buckets - 1) > self.train.seq_len:
             raise ValueError(f"eval.position_buckets={ev.position_buckets}: the first of them would be shorter than one "
                              f"token at train.seq_len={self.train.seq_len}")
+        if self.model.nsa_init == "distill" and (not self.attention.is_sparse or self.parallel.zero_stage == 3
+                                                 or self.parallel.sp_degree > 1):
+            raise ValueError("model.nsa_init=distill fits NSA's parameters on one process's whole model: it needs a "
+                             "sparse attention (nsa, fmsa, auto), parallel.zero_stage < 3 and parallel.sp_degree=1")
         if self.attention.is_sparse and self.train.seq_len < self.attention.slc_block:
             raise ValueError(f"train.seq_len={self.train.seq_len} must be >= attention.slc_block="
                              f"{self.attention.slc_block}")

@@ -114,3 +114,90 @@ def passkey_metrics(per_probe: torch.Tensor, answer_tokens: Sequence[int]) -> Di
     return {"eval_passkey_accuracy": (per_probe[:, 1] == need).double().mean().item(),
             "eval_passkey_token_accuracy": (per_probe[:, 1].sum() / need.sum()).item(),
             "eval_passkey_loss": (per_probe[:, 0].sum() / need.sum()).item()}
+
+
+# ---------------------------------------------------------------- training documents (the hold-out record)
+TRAINING_DOCUMENTS = "training_documents.npy"
+
+
+def document_fingerprints(dataset) -> "np.ndarray":
+    """uint64 [N], sorted and unique: a 64-bit BLAKE2 hash of each document's token ids, for the
+    documents of a packed dataset (``PackedDataset.tokens``); None for preference pairs."""
+    import hashlib
+
+    import numpy as np
+
+    tokens = getattr(dataset, "tokens", None)
+    if tokens is None or "input_ids" not in tokens.column_names or "chosen_input_ids" in tokens.column_names:
+        return None
+    out = []
+    for batch in tokens.iter(batch_size=256):
+        for ids in batch["input_ids"]:
+            digest = hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=8).digest()
+            out.append(int.from_bytes(digest, "little"))
+    return np.unique(np.array(out, dtype=np.uint64))
+
+
+def write_training_documents(path, fingerprints, inherited=None) -> None:
+    """Write the record of the documents a run trains on (atomically), with those its starting
+    model was trained on (``inherited``, read from ``model.path``)."""
+    import os
+
+    import numpy as np
+
+    if inherited is not None:
+        fingerprints = np.union1d(fingerprints, inherited)
+    tmp = f"{path}.tmp.npy"
+    np.save(tmp, fingerprints)
+    os.replace(tmp, path)
+
+
+def read_training_documents(path):
+    """The record at ``path`` (uint64 [N]), or None where there is none."""
+    import os
+
+    import numpy as np
+
+    return np.load(path) if os.path.isfile(path) else None
+
+
+def trained_on(eval_fingerprints, record) -> int:
+    """How many of the evaluation documents are in the training record."""
+    import numpy as np
+
+    return int(np.isin(eval_fingerprints, record).sum())
+
+
+# ---------------------------------------------------------------- retrieval (RULER-style, msa_train/quality/tasks.py)
+def retrieval_haystack(dataset, tokenizer, max_tokens: int):
+    """A :class:`~msa_train.quality.tasks.Haystack` from the documents of a packed dataset (the
+    held-out documents), their bos / eos stripped, up to ``max_tokens`` tokens in dataset order."""
+    from msa_train.quality.tasks import Haystack
+
+    specials = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    docs, total = [], 0
+    for batch in dataset.tokens.iter(batch_size=64):
+        for ids in batch["input_ids"]:
+            ids = [int(t) for t in ids if int(t) not in specials]
+            docs.append(ids)
+            total += len(ids)
+        if total >= max_tokens:
+            break
+    return Haystack(docs, tokenizer)
+
+
+def retrieval_metrics(probes: Sequence[Dict[str, Any]], per_probe: torch.Tensor) -> Dict[str, Any]:
+    """Host metrics from the all-reduced per-probe [P, 2] (answer loss sum, argmax-correct answer tokens):
+    ``retrieval`` (task -> length -> depth -> exact-match accuracy), the mean accuracy overall and per task."""
+    from msa_train.quality.tasks import retrieval_table
+
+    per_probe = per_probe.double().cpu()
+    need = torch.tensor([p["answer_tokens"] for p in probes], dtype=torch.float64)
+    exact = (per_probe[:, 1] == need).tolist()
+    out: Dict[str, Any] = {"eval_retrieval_accuracy": sum(exact) / len(exact),
+                           "eval_retrieval_loss": (per_probe[:, 0].sum() / need.sum()).item()}
+    for task in dict.fromkeys(p["task"] for p in probes):
+        hits = [e for e, p in zip(exact, probes) if p["task"] == task]
+        out[f"eval_retrieval_{task}"] = sum(hits) / len(hits)
+    out["retrieval"] = retrieval_table(probes, exact)
+    return out

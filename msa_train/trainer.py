@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -208,17 +209,84 @@ class Trainer:
         cfg = self.cfg
         self.data_fingerprint = data_fingerprint(cfg.data)  # checked on resume (check_resume_config)
         self.tokenizer = data.build_tokenizer(cfg.data, cfg.model.path)
-        self.dataset, self.eval_dataset = data.build_packed_datasets(cfg.data, self.tokenizer, cfg.train.seq_len)
+        # eval.only tokenises the evaluation documents alone
+        self.dataset, self.eval_dataset = data.build_packed_datasets(cfg.data, self.tokenizer, cfg.train.seq_len,
+                                                                     train=not cfg.eval.only)
         self.passkey_probes = []
         if cfg.eval.passkey:
             from msa_train.evaluation import passkey_probes
 
             self.passkey_probes = passkey_probes(self.tokenizer, cfg.train.seq_len, cfg.eval.passkey, cfg.data.seed,
                                                  cfg.data.add_bos)
+        self.retrieval_probes = self._retrieval_probes() if cfg.eval.retrieval else []
+        self._check_training_documents()
+        if cfg.eval.only:
+            self.sampler = self._sampler_iter = None
+            return
         # the ranks of a sequence-parallel group draw the same sequence (each keeps its shard of it)
         self.sampler = data.ResumableSampler(len(self.dataset), seed=cfg.data.seed, rank=self.layout.dp_rank,
                                              world_size=self.layout.dp_size)
         self._sampler_iter = iter(self.sampler)
+
+    def _retrieval_probes(self) -> List[Dict[str, Any]]:
+        """The eval.retrieval grid over a haystack of the held-out documents (msa_train/quality/tasks.py)."""
+        from msa_train.evaluation import retrieval_haystack
+        from msa_train.quality.tasks import depth_grid, probe_grid
+
+        ev, cfg = self.cfg.eval, self.cfg
+        if ev.retrieval_generate and (self.dist.world_size > 1 or cfg.parallel.zero_stage == 3):
+            raise ValueError("eval.retrieval_generate runs generate() on one process with the whole model: use one "
+                             "process and parallel.zero_stage < 3, or eval.retrieval_generate=0")
+        lengths = list(ev.retrieval_lengths) or [cfg.train.seq_len]
+        bos = self.tokenizer.bos_token_id if cfg.data.add_bos else None
+        haystack = retrieval_haystack(self.eval_dataset, self.tokenizer, max(8 * max(lengths), 1 << 20))
+        return probe_grid(ev.retrieval, self.tokenizer, haystack, lengths, depth_grid(ev.retrieval_depths),
+                          ev.retrieval_probes, seed="eval", bos_id=bos)  # fixed: the same probes under any data.seed
+
+    def _check_training_documents(self) -> None:
+        """The hold-out record: a training run writes the fingerprints of the documents it trains on
+        (with those its starting model recorded) to <run>/training_documents.npy, and its hf/ export
+        carries them; evaluation refuses held-out documents that the model was trained on."""
+        from msa_train import evaluation as E
+
+        cfg = self.cfg
+        inherited = E.read_training_documents(Path(cfg.model.path) / E.TRAINING_DOCUMENTS) if cfg.model.path else None
+        if not cfg.eval.only:
+            trained = E.document_fingerprints(self.dataset)
+            if trained is None:
+                return
+            if self.dist.is_main:
+                E.write_training_documents(self.run_dir / E.TRAINING_DOCUMENTS, trained, inherited)
+            held = E.document_fingerprints(self.eval_dataset) if self.eval_dataset is not None else None
+            if held is not None and self.dist.is_main:
+                n = E.trained_on(held, trained if inherited is None else np.union1d(trained, inherited))
+                if n:
+                    log.warning("evaluation data: %d of its %d documents are also training documents (of data.path, "
+                                "or of the starting model's record): its loss is not a held-out loss", n, len(held))
+            return
+        held = E.document_fingerprints(self.eval_dataset) if self.eval_dataset is not None else None
+        if held is None:
+            return
+        sources = []
+        if cfg.train.resume != "none":
+            run = self.run_dir if cfg.train.resume == "auto" else Path(cfg.train.resume).resolve().parent.parent
+            sources.append(run / E.TRAINING_DOCUMENTS)
+        if cfg.model.path:
+            sources.append(Path(cfg.model.path) / E.TRAINING_DOCUMENTS)
+        records = [(p, E.read_training_documents(p)) for p in sources]
+        records = [(p, r) for p, r in records if r is not None]
+        if not records:
+            if sources and self.dist.is_main:
+                log.warning("eval.only: no record of the documents the model was trained on (%s): cannot check that "
+                            "the evaluation documents are held out", ", ".join(map(str, sources)))
+            return
+        for path, record in records:
+            n = E.trained_on(held, record)
+            if n:
+                raise ValueError(
+                    f"eval.only: {n} of the {len(held)} evaluation documents were trained on (record {path}): its "
+                    "loss would not be a held-out loss. Evaluate on documents the model did not see: the hold-out "
+                    "its run used (the data.eval_fraction / data.seed in its config.json), or data.eval_path files")
 
     def _build_model(self) -> None:
         from msa_train.models import build_model, count_parameters
@@ -259,9 +327,32 @@ class Trainer:
             num_heads, num_kv_heads, _ = _head_dims(self.model.config)
             head_layout(num_heads, num_kv_heads, self.sp.size)  # raises, naming the numbers, for a bad degree
             attach(self.model, self.sp)
+        if cfg.model.nsa_init == "distill" and not cfg.eval.only:
+            self._distill_nsa()
         if len(self.tokenizer) > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
                              f"{self.model.config.vocab_size}: set model.hf_config.vocab_size >= {len(self.tokenizer)}")
+
+    def _distill_nsa(self) -> None:
+        """model.nsa_init=distill (msa_train/models/distill.py): NSA fitted to the dense attention on
+        training sequences drawn by their own seed, before the engine exists; skipped on a resume,
+        whose checkpoint holds the trained parameters. The losses go to <run>/nsa_distill.json."""
+        from msa_train.models.distill import distill_nsa
+
+        cfg = self.cfg
+        if CheckpointManager(self.run_dir / "checkpoints", self.dist.rank, 0).resolve(cfg.train.resume) is not None:
+            return
+        steps = cfg.model.nsa_distill_steps
+        picks = np.random.default_rng([cfg.data.seed, 2]).permutation(len(self.dataset))[:steps].tolist()
+        batches = []
+        for i in picks:
+            m = self._make_batch(self.dataset[i])
+            batches.append({k: self._to_device(v) if torch.is_tensor(v) else v for k, v in m.items()})
+        report = distill_nsa(self.model, batches, steps, cfg.model.nsa_distill_lr)
+        if self.dist.is_main:
+            (self.run_dir / "nsa_distill.json").write_text(json.dumps(report, indent=2))
+            log.info("nsa_init=distill: %d steps in %.1f s, attention error %.4f -> %.4f", steps, report["time_s"],
+                     report["losses"][0], report["losses"][-1])
 
     def _build_parallelize(self) -> None:
         from msa_train.models.causal_lm import CausalLMWithLoss
@@ -441,6 +532,8 @@ class Trainer:
                 record.update(self._eval_pairs() if self.dpo else self._eval_lm())
             if self.passkey_probes:
                 record.update(self._eval_passkey())
+            if self.retrieval_probes:
+                record.update(self._eval_retrieval())
         self.module.train(was_training)
         record["eval_time_s"] = time.perf_counter() - t0
         return record
@@ -482,6 +575,52 @@ class Trainer:
                 per_probe[index] += out[:, 0]
         dist.all_reduce(per_probe)
         return passkey_metrics(per_probe, [p["answer_tokens"] for p in probes])
+
+    def _eval_retrieval(self) -> Dict[str, Any]:
+        """The eval.retrieval grid: probes packed into sequences as long as the longest probe (one
+        document each), scored teacher-forced like the pass key; with eval.retrieval_generate, some
+        probes decoded greedily with generate() too (KV cache), and the two exact matches compared."""
+        from msa_train.evaluation import retrieval_metrics
+        from msa_train.data.tokenizer import pad_token_id
+        from msa_train.quality.tasks import pack_probes
+
+        probes = self.retrieval_probes
+        longest = max(len(p["input_ids"]) for p in probes)
+        pack_len = -(-longest // self.cfg.parallel.sp_degree) * self.cfg.parallel.sp_degree
+        order = sorted(range(len(probes)), key=lambda i: -len(probes[i]["input_ids"]))  # longest first: fuller packs
+        packs = pack_probes([probes[i] for i in order], pack_len, pad_token_id(self.tokenizer))
+        per_probe = torch.zeros(len(probes), 2, device=self.device)  # answer loss, argmax-correct answer tokens
+        for index, counted in self._eval_shard(len(packs)):
+            pack = packs[index]
+            out = self._forward(self._make_batch(pack, pack["segments"], pack["num_segments"]), with_correct=True)
+            if counted:
+                rows = self._to_device(torch.tensor([order[j] for j in pack["probe_ids"]]))
+                per_probe.index_add_(0, rows, out[:, :-1].t())
+        dist.all_reduce(per_probe)
+        record = retrieval_metrics(probes, per_probe)
+        if self.cfg.eval.retrieval_generate:
+            record.update(self._retrieval_generate(per_probe))
+        return record
+
+    def _retrieval_generate(self, per_probe: torch.Tensor) -> Dict[str, Any]:
+        """Greedy generate() of the answer of ``eval.retrieval_generate`` probes spread over the grid,
+        through the backends' KV-cache path: how often its exact match equals the teacher-forced one."""
+        probes, n = self.retrieval_probes, self.cfg.eval.retrieval_generate
+        picks = sorted({round(i * (len(probes) - 1) / max(1, n - 1)) for i in range(min(n, len(probes)))})
+        agree = hits = 0
+        for i in picks:
+            p = probes[i]
+            k = p["answer_tokens"]
+            prompt = self._to_device(p["input_ids"][None, :-k])
+            out = self.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=k,
+                                      min_new_tokens=k, do_sample=False, pad_token_id=self.tokenizer.pad_token_id
+                                      if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id)
+            generated = bool(torch.equal(out[0, -k:].cpu(), p["input_ids"][-k:]))
+            forced = bool(per_probe[i, 1].item() == k)  # host syncs: a check run, not the grid
+            hits += generated
+            agree += generated == forced
+        return {"eval_retrieval_generate_probes": len(picks), "eval_retrieval_generate_accuracy": hits / len(picks),
+                "eval_retrieval_generate_agreement": agree / len(picks)}
 
     def _eval_pairs(self) -> Dict[str, Any]:
         """DPO on held-out pairs against the reference log-probabilities taken at the run's start."""
@@ -798,7 +937,7 @@ class Trainer:
         stop = StopSignals(self.dist.rank, self.dist.world_size, self._control)
         stopped_by = None
         ev = self.cfg.eval
-        has_eval = self.eval_dataset is not None or bool(self.passkey_probes)
+        has_eval = self.eval_dataset is not None or bool(self.passkey_probes) or bool(self.retrieval_probes)
         self.last_eval = None
         try:
             if has_eval and ev.at_start and self.step == 0:
@@ -873,6 +1012,11 @@ class Trainer:
             tmp.write_text(json.dumps(result, indent=2))
             os.replace(tmp, path)
             log.info("%s; written to %s", format_eval(record), path)
+            if "retrieval" in record:
+                from msa_train.quality.plots import write_heatmap
+
+                write_heatmap({self.cfg.attention.name: record["retrieval"]}, self.run_dir / "retrieval.png",
+                              title=f"retrieval, {self.cfg.model.path or self.resumed_from or 'model'}")
         return result
 
     def run(self) -> Dict[str, Any]:
@@ -895,6 +1039,10 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             save_pretrained(self.model, str(tmp), state_dict=state)
             self.tokenizer.save_pretrained(str(tmp))
+            from msa_train.evaluation import TRAINING_DOCUMENTS
+
+            if (self.run_dir / TRAINING_DOCUMENTS).is_file():  # the hold-out record travels with the export
+                shutil.copy(self.run_dir / TRAINING_DOCUMENTS, tmp / TRAINING_DOCUMENTS)
             swap_in(tmp, self.run_dir / "hf")
         if dist.is_initialized():
             dist.barrier()

@@ -42,21 +42,25 @@ def build_packed_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     return build_packed_datasets(cfg, tokenizer, seq_len)[0]
 
 
-def build_packed_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int
-                          ) -> Tuple[Union[PackedDataset, PreferencePairDataset],
+def build_packed_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int, train: bool = True
+                          ) -> Tuple[Optional[Union[PackedDataset, PreferencePairDataset]],
                                      Optional[Union[PackedDataset, PreferencePairDataset]]]:
     """(training data, held-out evaluation data or None), both as ``build_packed_dataset`` describes.
 
     The evaluation data is ``cfg.eval_path`` read like ``cfg.path``, or the documents that
     ``cfg.eval_fraction`` holds out of it: a seeded choice of whole documents (or pairs), so no
-    token of an evaluation document is trained on.
+    token of an evaluation document is trained on. The choice depends only on the number of
+    records and the seed, and is made before tokenising, so ``train=False`` (evaluation alone)
+    tokenises the held-out documents only and returns None for the training data (with
+    ``eval_path``, ``cfg.path`` is not read at all).
     """
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
-    tokens, report = _tokens(cfg, tokenizer)
-    eval_tokens = None
+    records, report, eval_records = None, None, None
+    if train or cfg.eval_fraction > 0:
+        records, report = _records(cfg)
     if cfg.eval_fraction > 0:
-        n = len(tokens)
+        n = len(records)
         n_eval = max(1, round(cfg.eval_fraction * n))
         if n_eval >= n:
             raise ValueError(f"data.eval_fraction={cfg.eval_fraction} holds out {n_eval} of the {n} documents: "
@@ -64,24 +68,29 @@ def build_packed_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, s
         # its own stream of the seed (the packing uses the seed itself)
         held = np.sort(np.random.default_rng([cfg.seed, 1]).permutation(n)[:n_eval])
         keep = np.setdiff1d(np.arange(n), held)
-        tokens, eval_tokens = tokens.select(keep), tokens.select(held)
+        records, eval_records = records.select(keep), records.select(held)
         logger.info("data: %d of %d documents held out for evaluation (data.eval_fraction=%g)", n_eval, n,
                     cfg.eval_fraction)
     elif cfg.eval_path:
-        eval_cfg = dataclasses.replace(cfg, path=cfg.eval_path, eval_path=None)
-        eval_tokens, _ = _tokens(eval_cfg, tokenizer)
-    train = _pack(tokens, cfg, tokenizer, seq_len, "training")
-    train.report = report
-    return train, None if eval_tokens is None else _pack(eval_tokens, cfg, tokenizer, seq_len, "evaluation")
+        eval_records, _ = _records(dataclasses.replace(cfg, path=cfg.eval_path, eval_path=None))
+    train_ds = None
+    if train:
+        train_ds = _pack(_tokenize(records, cfg, tokenizer), cfg, tokenizer, seq_len, "training")
+        train_ds.report = report
+    eval_ds = None if eval_records is None else \
+        _pack(_tokenize(eval_records, cfg, tokenizer), cfg, tokenizer, seq_len, "evaluation")
+    return train_ds, eval_ds
 
 
-def _tokens(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase):
-    """The records of ``cfg.path`` (or the generated corpus), tokenised: (tokens, RecordReport or None)."""
+def _records(cfg: DataConfig):
+    """The records of ``cfg.path`` (or the generated corpus): (records, RecordReport or None)."""
     if cfg.format == "generated":
-        records, report = datasets.Dataset.from_dict({"text": generate_corpus(cfg)}), None
-    else:
-        records, report = load_records(cfg)
-    return tokenize_dataset(records, cfg.format, tokenizer, add_bos=cfg.add_bos, num_proc=cfg.num_proc), report
+        return datasets.Dataset.from_dict({"text": generate_corpus(cfg)}), None
+    return load_records(cfg)
+
+
+def _tokenize(records: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
+    return tokenize_dataset(records, cfg.format, tokenizer, add_bos=cfg.add_bos, num_proc=cfg.num_proc)
 
 
 def _pack(tokens: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int, what: str):

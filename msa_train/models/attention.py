@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 FULL = "msa_full"
 NSA = "msa_nsa"
+DISTILL = "msa_distill"  # model.nsa_init=distill: dense output, NSA fitted to it (msa_train/models/distill.py)
 _HIDDEN = "_msa_hidden_states"
 _CACHE_LAYER = "_msa_cache_layer"  # the HF cache layer a decoding NSA module extends, for its forward only
 _DECODE_STATE = "_msa_decode_state"  # on that cache layer: a _DecodeState
@@ -53,7 +54,7 @@ _VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS els
 def stash_hidden_states(module, args, kwargs):
     """Forward pre-hook: keep the attention input [B, T, hidden] for the NSA gates, and check the
     KV cache the layer is about to extend (:func:`check_kv_cache`)."""
-    sparse = getattr(getattr(module, "config", None), "_attn_implementation", None) == NSA
+    sparse = getattr(getattr(module, "config", None), "_attn_implementation", None) in (NSA, DISTILL)
     # only the NSA backend takes (and drops) them: under full attention a stashed input would stay
     # on every layer's module, T x hidden each, after the forward
     setattr(module, _HIDDEN, kwargs.get("hidden_states", args[0] if args else None) if sparse else None)

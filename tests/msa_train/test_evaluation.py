@@ -190,3 +190,34 @@ def test_eval_data_errors(tmp_path):
     cfg = compose(["data=jsonl", f"data.path={docs}", f"data.eval_path={docs}"])
     train_ds, eval_ds = build_packed_datasets(cfg.data, build_tokenizer(cfg.data, None), 256)
     assert eval_ds.num_tokens == train_ds.num_tokens  # the same files, read the same way
+
+
+def test_eval_only_tokenizes_only_the_evaluation_documents(tmp_path, monkeypatch):
+    """eval.only does not tokenise (or pack) the training documents."""
+    import msa_train.data.dataset as dataset
+    from msa_train.trainer import Trainer
+
+    seen = []
+    real = dataset.tokenize_dataset
+    monkeypatch.setattr(dataset, "tokenize_dataset", lambda ds, *a, **k: (seen.append(len(ds)), real(ds, *a, **k))[1])
+    trainer = Trainer(compose(["attention=full", *FAST, "data.eval_fraction=0.25", "eval.only=true",
+                               f"train.output_dir={tmp_path}"]))
+    assert seen == [12] and trainer.dataset is None and len(trainer.eval_dataset) > 0
+
+
+def test_eval_only_refuses_documents_the_model_trained_on(tmp_path):
+    """A run records the documents it trained on (also in its hf/ export); eval.only on held-out
+    documents it trained on is refused, on its own hold-out it runs."""
+    from msa_train.trainer import Trainer
+
+    common = ["attention=full", *FAST, "train.steps=1", "train.seq_len=256"]
+    train([*common, "train.save_hf=true", f"train.output_dir={tmp_path / 'run'}"])  # no hold-out
+    assert (tmp_path / "run" / "hf" / "training_documents.npy").is_file()
+    for source in (["train.resume=auto", f"train.output_dir={tmp_path / 'run'}"],
+                   [f"model.path={tmp_path / 'run' / 'hf'}", f"train.output_dir={tmp_path / 'ev'}"]):
+        with pytest.raises(ValueError, match="evaluation documents were trained on"):
+            Trainer(compose([*common, "data.eval_fraction=0.25", "eval.only=true", *source]))
+    train([*common, "data.eval_fraction=0.25", f"train.output_dir={tmp_path / 'held'}"])
+    out = Trainer(compose([*common, "data.eval_fraction=0.25", "eval.only=true", "train.resume=auto",
+                           f"train.output_dir={tmp_path / 'held'}"])).run()
+    assert math.isfinite(out["eval_loss"])

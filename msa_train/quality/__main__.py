@@ -1,0 +1,55 @@
+"""``python -m msa_train.quality {corpus,study-a,study-b,report}`` (docs/quality.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m msa_train.quality", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("corpus", help="build the site-packages corpus and its BPE tokenizer")
+    c.add_argument("--out", required=True, help="output directory (train.jsonl, heldout.jsonl, tokenizer/, manifest.json)")
+    c.add_argument("--max-tokens", type=int, default=None, help="cap on the training split's tokens")
+    c.add_argument("--vocab", type=int, default=16384, help="BPE vocabulary size, special tokens included")
+    c.add_argument("--site-packages", action="append", default=None,
+                   help="directory to read (repeatable); default: this interpreter's site-packages")
+    c.add_argument("--heldout-fraction", type=float, default=0.05)
+    c.add_argument("--seed", type=int, default=0)
+    for name, text in (("study-a", "from scratch: attention=full and fmsa (and a second dense seed)"),
+                       ("study-b", "dense -> NSA conversion from study A's dense model"),
+                       ("report", "summary.json and plots from the runs so far")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--work", required=True, help="work directory: corpus/, data/, runs/, state.json")
+        s.add_argument("--out", default="benchmarks/results/quality", help="where summary.json and the plots go")
+        if name != "report":
+            s.add_argument("--budget-s", type=float, default=540.0,
+                           help="wall-clock seconds for this invocation; rerun the same command to continue")
+        s.add_argument("--tiny", action="store_true", help="tiny sizes: the CPU test of the whole pipeline")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    if args.command == "corpus":
+        from msa_train.quality.corpus import build_corpus
+
+        manifest = build_corpus(args.out, args.site_packages, args.max_tokens, args.vocab, args.heldout_fraction,
+                                args.seed)
+        print(json.dumps({k: manifest[k] for k in ("documents", "tokens", "vocab_size")}))
+        return 0
+    from msa_train.quality import study
+
+    work, out = Path(args.work), Path(args.out)
+    plan = study.Plan.tiny(len(study._tokenizer(work))) if args.tiny else study.Plan.gpu()
+    if args.command == "report":
+        study.report(work, out, plan)
+        return 0
+    done = (study.study_a if args.command == "study-a" else study.study_b)(work, out, args.budget_s, plan)
+    print(f"{args.command}: {'done' if done else 'not finished: run the same command again to continue'}")
+    return 0 if done else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The quality study (issue 44, docs/quality.md): dense vs Flash-MSA from scratch, and dense -> NSA conversion.
+
+Each study is a list of trainer runs (jobs) under ``<work>/runs/<job>``, run in order by the
+existing :class:`~msa_train.trainer.Trainer` with ``train.resume=auto``. An invocation is bounded
+by ``budget_s`` seconds: a job is started only when enough of the budget is left, and a timer
+sends the process SIGUSR1 when its training must stop, which the trainer's preemption path
+(msa_train/preemption.py) turns into a checkpoint at the end of the current step. Running the
+same command again continues where it stopped; a finished job is not run again. ``report``
+reads the runs and writes ``summary.json`` and the plots.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+TASKS_ALL = ["passkey", "single_needle", "multi_key", "multi_value", "variable_tracking"]
+
+
+@dataclass
+class Plan:
+    """Sizes of the study; ``gpu()`` is the H200 study, ``tiny()`` the CPU test of the whole pipeline."""
+    recipe_overrides: List[str]
+    mix_fraction: float = 0.03          # synthetic retrieval documents, as a fraction of the training tokens
+    mix_tasks: List[str] = field(default_factory=lambda: list(TASKS_ALL))
+    mix_lengths: List[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384])
+    haystack_tokens: int = 2_000_000    # training text the synthetic documents take their haystacks from
+    seed_spread_retrieval: bool = False  # the second dense seed: held-out loss only
+    conversion_steps: int = 32          # study B: ~10% of study A's tokens
+    conversion_lr: float = 3e-4
+    conversion_warmup: int = 2
+    distill_steps: int = 50
+    distill_lr: float = 1e-3
+    min_piece_s: float = 120.0          # a job is started (or resumed) only with this much budget left
+    eval_reserve_s: float = 90.0        # the final evaluation's time, kept out of the training budget
+
+    @staticmethod
+    def gpu() -> "Plan":
+        return Plan(["recipe=quality_170m"])
+
+    @staticmethod
+    def tiny(vocab_size: int) -> "Plan":
+        sizes = ["attention.cmp_block=16", "attention.cmp_stride=8", "attention.slc_block=32", "attention.slc_topk=4",
+                 "attention.window=64"]
+        model = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16}  # GQA group 4, as the study's
+        return Plan(["recipe=quality_170m", "model.name=quality_tiny",
+                     *(f"model.hf_config.{k}={v}" for k, v in model.items()), *sizes, "train.seq_len=256", "train.grad_accum=1",
+                     "train.steps=3", "train.warmup_steps=1", "train.lr=3e-3", "train.loss_chunk_tokens=256",
+                     "train.save_every=0", "train.device=cpu", "eval.max_sequences=4",
+                     "eval.retrieval=[passkey,single_needle]", "eval.retrieval_lengths=[384,512]",
+                     "eval.retrieval_depths=2", "eval.retrieval_probes=1", "eval.retrieval_generate=1"],
+                    mix_fraction=0.05, mix_tasks=["passkey", "single_needle"], mix_lengths=[256],
+                    haystack_tokens=20_000, conversion_steps=2, conversion_warmup=1, distill_steps=3,
+                    min_piece_s=0.0, eval_reserve_s=0.0)
+
+
+def _jobs_a(plan: Plan, work: Path) -> Dict[str, List[str]]:
+    corpus = work / "corpus"
+    common = [*plan.recipe_overrides, f"data.path={work / 'data' / 'train_mix.jsonl'}",
+              f"data.eval_path={corpus / 'heldout.jsonl'}", f"data.tokenizer={corpus / 'tokenizer'}",
+              f"data.cache_dir={work / 'cache'}", "train.resume=auto", "train.progress=false"]
+    seed1 = [] if plan.seed_spread_retrieval else ["eval.retrieval=[]"]
+    return {"a_full": [*common, "attention=full", "train.seed=0"],
+            "a_fmsa": [*common, "attention=fmsa", "train.seed=0"],
+            "a_full_seed1": [*common, "attention=full", "train.seed=1", *seed1]}
+
+
+def _jobs_b(plan: Plan, work: Path) -> Dict[str, List[str]]:
+    a = _jobs_a(plan, work)["a_full"]
+    start = work / "runs" / "a_full" / "hf"
+    common = [*a[:-2], f"model.path={start}", f"train.steps={plan.conversion_steps}", f"train.lr={plan.conversion_lr}",
+              f"train.warmup_steps={plan.conversion_warmup}", "train.seed=0", "train.save_every=0",
+              "data.seed=1"]  # another packing order: study A trained on the first sequences of seed 0
+    return {"b_dense": [*common, "attention=full"],
+            "b_nsa": [*common, "attention=fmsa"],
+            "b_nsa_distill": [*common, "attention=fmsa", "model.nsa_init=distill",
+                              f"model.nsa_distill_steps={plan.distill_steps}", f"model.nsa_distill_lr={plan.distill_lr}"]}
+
+
+def _tokenizer(work: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    path = work / "corpus" / "tokenizer"
+    if not path.is_dir():
+        raise ValueError(f"--work {work}: no corpus there; run `python -m msa_train.quality corpus --out {work}/corpus` first")
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def prepare_mix(plan: Plan, work: Path) -> Path:
+    """``<work>/data/train_mix.jsonl``: the corpus's training documents plus synthetic retrieval
+    documents (``plan.mix_fraction`` of the training tokens), from the same task generators as the
+    evaluation but a seed space of their own and a haystack of training text. Written once."""
+    from msa_train.quality.tasks import Haystack, training_texts
+
+    out = work / "data" / "train_mix.jsonl"
+    if out.is_file():
+        return out
+    tok = _tokenizer(work)
+    manifest = json.loads((work / "corpus" / "manifest.json").read_text())
+    docs = [json.loads(line)["text"] for line in (work / "corpus" / "train.jsonl").read_text(encoding="utf-8").splitlines()]
+    hay, total = [], 0
+    for text in docs:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        hay.append(ids)
+        total += len(ids)
+        if total >= plan.haystack_tokens:
+            break
+    mean_len = sum(plan.mix_lengths) / len(plan.mix_lengths)
+    count = max(1, round(plan.mix_fraction * manifest["tokens"]["train"] / mean_len))
+    synthetic = training_texts(plan.mix_tasks, tok, Haystack(hay, tok), plan.mix_lengths, count, seed="study")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for text in docs + synthetic:
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    (work / "data" / "mix.json").write_text(json.dumps({
+        "corpus_documents": len(docs), "synthetic_documents": len(synthetic), "mix_fraction": plan.mix_fraction,
+        "synthetic_tokens_approx": round(count * mean_len), "tasks": plan.mix_tasks, "lengths": plan.mix_lengths,
+        "seed_space": "train-mix/study (evaluation probes: eval)"}, indent=2))
+    return out
+
+
+def _state_path(work: Path) -> Path:
+    return work / "state.json"
+
+
+def _read_state(work: Path) -> Dict[str, Any]:
+    p = _state_path(work)
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def _write_state(work: Path, state: Dict[str, Any]) -> None:
+    p = _state_path(work)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, p)
+
+
+def run_jobs(jobs: Dict[str, List[str]], work: Path, deadline: float, plan: Plan) -> bool:
+    """Run (or continue) the jobs in order until the deadline (``time.time()``). Returns whether all are done."""
+    from msa_train.cli import compose
+    from msa_train.trainer import Trainer
+
+    state = _read_state(work)
+    for name, overrides in jobs.items():
+        if state.get(name, {}).get("done"):
+            continue
+        left = deadline - time.time()
+        if left < plan.min_piece_s:
+            log.warning("budget: %.0f s left, %s needs at least %.0f: rerun the same command to continue", left, name,
+                        plan.min_piece_s)
+            return False
+        cfg = compose([*overrides, f"train.output_dir={work / 'runs' / name}"])
+        def ignore(*args):  # a late timer must not end the process
+            pass
+
+        previous = signal.signal(signal.SIGUSR1, ignore)
+        try:
+            trainer = Trainer(cfg)
+            cancel = threading.Event()
+
+            def stop_training():  # once train() has installed its stop handlers (msa_train/preemption.py)
+                while not cancel.is_set() and signal.getsignal(signal.SIGUSR1) is ignore:
+                    time.sleep(0.05)
+                if not cancel.is_set():
+                    os.kill(os.getpid(), signal.SIGUSR1)
+
+            timer = threading.Timer(max(0.0, deadline - time.time() - plan.eval_reserve_s), stop_training)
+            timer.daemon = True
+            timer.start()
+            try:
+                summary = trainer.train()
+            finally:
+                cancel.set()
+                timer.cancel()
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        done = trainer.step >= cfg.train.steps
+        state[name] = {"done": done, "step": trainer.step, "steps": cfg.train.steps, "n_params": summary["n_params"]}
+        _write_state(work, state)
+        if not done:
+            log.warning("budget: %s stopped at step %d of %d with a checkpoint; rerun the same command to continue",
+                        name, trainer.step, cfg.train.steps)
+            return False
+    return True
+
+
+def study_a(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
+    deadline = time.time() + budget_s
+    prepare_mix(plan, work)
+    done = run_jobs(_jobs_a(plan, work), work, deadline, plan)
+    report(work, out, plan)
+    return done
+
+
+def study_b(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
+    deadline = time.time() + budget_s
+    if not _read_state(work).get("a_full", {}).get("done"):
+        raise ValueError(f"study-b converts study A's dense model: finish study-a under --work {work} first")
+    done = run_jobs(_jobs_b(plan, work), work, deadline, plan)
+    report(work, out, plan)
+    return done
+
+
+# ------------------------------------------------------------------ report
+def _records(run: Path) -> List[Dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _train_curve(run: Path) -> List[Dict[str, Any]]:
+    """Training records, one per step (a step logged again after a hard restart keeps its last record),
+    each with ``wall_s``: the training seconds up to and including it, summed over every piece."""
+    by_step = {}
+    for r in _records(run):
+        if "loss" in r and "eval_loss" not in r:
+            by_step[r["step"]] = r
+    out, wall, prev_tokens = [], 0.0, 0
+    for step in sorted(by_step):
+        r = dict(by_step[step])
+        tokens = r["tokens_seen"] - prev_tokens
+        wall += tokens / r["tokens_per_s"] if r.get("tokens_per_s") else 0.0
+        prev_tokens = r["tokens_seen"]
+        r["wall_s"] = wall
+        out.append(r)
+    return out
+
+
+def _last_eval(run: Path) -> Optional[Dict[str, Any]]:
+    evals = [r for r in _records(run) if "eval_loss" in r]
+    return evals[-1] if evals else None
+
+
+def _smooth(values: Sequence[float], window: int) -> List[float]:
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1): i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def steps_to_within(curve: Sequence[float], reference: Sequence[float], rel: float = 0.01,
+                    window: int = 5) -> Optional[int]:
+    """The first step (1-based) from which the smoothed ``curve`` stays within ``rel`` of the smoothed
+    ``reference`` (same steps, same batches) to the end; None if it never does."""
+    n = min(len(curve), len(reference))
+    if n == 0:
+        return None
+    a, b = _smooth(curve[:n], window), _smooth(reference[:n], window)
+    ok = [x <= (1 + rel) * y for x, y in zip(a, b)]
+    if not ok[-1]:
+        return None
+    i = n - 1
+    while i > 0 and ok[i - 1]:
+        i -= 1
+    return i + 1
+
+
+def _run_entry(run: Path) -> Dict[str, Any]:
+    curve, ev = _train_curve(run), _last_eval(run)
+    return {"tokens": curve[-1]["tokens_seen"] if curve else None,
+            "steps": curve[-1]["step"] if curve else None,
+            "wall_s": curve[-1]["wall_s"] if curve else None,
+            "final_train_loss": curve[-1]["loss"] if curve else None,
+            "final_eval_loss": ev.get("eval_loss") if ev else None,
+            "eval_loss_by_position": {k[len("eval_loss_pos_"):]: v for k, v in (ev or {}).items()
+                                      if k.startswith("eval_loss_pos_")},
+            "retrieval": ev.get("retrieval") if ev else None,
+            "retrieval_accuracy": ev.get("eval_retrieval_accuracy") if ev else None,
+            "retrieval_generate_agreement": ev.get("eval_retrieval_generate_agreement") if ev else None,
+            "mean_tokens_per_s": (sum(r["tokens_per_s"] for r in curve[1:]) / (len(curve) - 1)) if len(curve) > 1 else None}
+
+
+def _loss_at_wall(curve: List[Dict[str, Any]], wall: float, window: int = 10) -> Optional[float]:
+    upto = [r["loss"] for r in curve if r["wall_s"] <= wall + 1e-9]
+    return sum(upto[-window:]) / len(upto[-window:]) if upto else None
+
+
+def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]:
+    """``<out>/summary.json`` and the plots from the runs under ``<work>/runs`` (missing runs: nulls)."""
+    from msa_train.quality.plots import write_curves, write_heatmap
+
+    runs = work / "runs"
+    out.mkdir(parents=True, exist_ok=True)
+    a = {name: _run_entry(runs / f"a_{name}") for name in ("full", "fmsa", "full_seed1")}
+    curves = {name: _train_curve(runs / f"a_{name}") for name in ("full", "fmsa", "full_seed1")}
+    walls = [a[n]["wall_s"] for n in ("full", "fmsa") if a[n]["wall_s"]]
+    equal_wall = min(walls) if len(walls) == 2 else None
+    for name in a:
+        a[name]["train_loss_at_equal_wall"] = _loss_at_wall(curves[name], equal_wall) if equal_wall else None
+    spread = None
+    if a["full"]["final_eval_loss"] is not None and a["full_seed1"]["final_eval_loss"] is not None:
+        spread = abs(a["full"]["final_eval_loss"] - a["full_seed1"]["final_eval_loss"])
+    gap = None
+    if a["full"]["final_eval_loss"] and a["fmsa"]["final_eval_loss"] is not None:
+        gap = a["fmsa"]["final_eval_loss"] / a["full"]["final_eval_loss"] - 1
+    b_names = {"dense_continued": "b_dense", "nsa_converted": "b_nsa", "nsa_distilled": "b_nsa_distill"}
+    b = {key: _run_entry(runs / run) for key, run in b_names.items()}
+    b_curves = {key: _train_curve(runs / run) for key, run in b_names.items()}
+    dense_losses = [r["loss"] for r in b_curves["dense_continued"]]
+    for key in b:
+        losses = [r["loss"] for r in b_curves[key]]
+        b[key]["loss_after_patch"] = losses[0] if losses else None  # step 1's forward runs the starting weights
+        b[key]["steps_to_1pct"] = (0 if key == "dense_continued" else steps_to_within(losses, dense_losses)) \
+            if losses and dense_losses else None
+    distill = runs / "b_nsa_distill" / "nsa_distill.json"
+    if distill.is_file():
+        d = json.loads(distill.read_text())
+        b["nsa_distilled"]["distill"] = {"steps": d["steps"], "lr": d["lr"], "time_s": d["time_s"],
+                                         "first_error": d["losses"][0], "last_error": d["losses"][-1]}
+    else:
+        b["nsa_distilled"]["distill"] = None
+    state = _read_state(work)
+    summary = {
+        "status": {k: v for k, v in state.items()},
+        "corpus": _json_or_none(work / "corpus" / "manifest.json", keep=("python", "site_packages", "documents",
+                                                                         "tokens", "vocab_size", "packages")),
+        "mix": _json_or_none(work / "data" / "mix.json"),
+        "from_scratch": {**a, "equal_wall_s": equal_wall, "fmsa_vs_full_eval_loss": gap, "dense_seed_spread": spread},
+        "conversion": b,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    # plots
+    write_curves({n: [(r["tokens_seen"], r["loss"]) for r in c] for n, c in curves.items()}, out / "loss_tokens.png",
+                 "tokens", "training loss", "from scratch: loss at equal tokens")
+    write_curves({n: [(r["wall_s"], r["loss"]) for r in c] for n, c in curves.items()}, out / "loss_wall.png",
+                 "training seconds", "training loss", "from scratch: loss at equal wall-clock")
+    pos = {n: [(int(k.split("_")[1]), v) for k, v in e["eval_loss_by_position"].items() if v is not None]
+           for n, e in a.items()}
+    write_curves(pos, out / "loss_by_position.png", "position in document (bucket end, tokens)", "held-out loss",
+                 "held-out loss by position", logx=True)
+    write_curves({k: [(r["step"], r["loss"]) for r in c] for k, c in b_curves.items()}, out / "conversion_loss.png",
+                 "step", "training loss", "dense -> NSA conversion")
+    for name, entries in (("retrieval_from_scratch.png", {"full": a["full"], "fmsa": a["fmsa"]}),
+                          ("retrieval_conversion.png", b)):
+        results = {k: e["retrieval"] for k, e in entries.items() if e.get("retrieval")}
+        if results:
+            write_heatmap(results, out / name, title=name[:-4].replace("_", " "))
+    return summary
+
+
+def _json_or_none(path: Path, keep: Optional[Sequence[str]] = None):
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return {k: data[k] for k in keep if k in data} if keep else data

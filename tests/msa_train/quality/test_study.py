@@ -1,0 +1,40 @@
+"""The whole quality pipeline at tiny size on CPU: corpus, study A, study B, report (msa_train/quality)."""
+import json
+import shutil
+
+from msa_train.quality.study import steps_to_within
+
+
+def test_steps_to_within():
+    assert steps_to_within([2.0, 1.5, 1.005, 1.0], [1.0, 1.0, 1.0, 1.0], window=1) == 3
+    assert steps_to_within([2.0, 1.0, 2.0], [1.0, 1.0, 1.0], window=1) is None
+
+
+def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
+    from msa_train.quality.__main__ import main
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    _, corpus, _ = tiny_corpus
+    work, out = tmp_path / "work", tmp_path / "out"
+    shutil.copytree(corpus, work / "corpus")
+    assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--budget-s", "1"]) == 3  # a piece
+    state = json.loads((work / "state.json").read_text())
+    assert not state["a_full"]["done"] and 1 <= state["a_full"]["step"] < 3
+    assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny"]) == 0  # continues
+    assert main(["study-b", "--work", str(work), "--out", str(out), "--tiny"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    for name in ("full", "fmsa"):
+        e = s["from_scratch"][name]
+        assert e["tokens"] == 3 * 256 and e["wall_s"] > 0 and e["final_eval_loss"] > 0
+        assert set(e["retrieval"]) == {"passkey", "single_needle"} and set(e["retrieval"]["passkey"]) == {"384", "512"}
+    assert s["from_scratch"]["dense_seed_spread"] is not None
+    for name in ("dense_continued", "nsa_converted", "nsa_distilled"):
+        e = s["conversion"][name]
+        for key in ("tokens", "loss_after_patch", "steps_to_1pct", "final_eval_loss", "retrieval"):
+            assert key in e, (name, key)
+        assert e["tokens"] == 2 * 256 and e["retrieval"]["single_needle"]["512"].keys() == {"0", "1"}
+    assert s["conversion"]["dense_continued"]["steps_to_1pct"] == 0
+    assert s["conversion"]["nsa_distilled"]["distill"]["steps"] == 3
+    for png in ("retrieval_from_scratch.png", "retrieval_conversion.png", "loss_tokens.png", "loss_wall.png",
+                "loss_by_position.png", "conversion_loss.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG", png

@@ -1,0 +1,98 @@
+"""RULER-style probes (msa_train/quality/tasks.py) on the real text and BPE tokenizer of the tiny corpus."""
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from msa_train.quality.tasks import (TASKS, Haystack, depth_grid, make_probe, pack_probes, probe_grid,
+                                     retrieval_table, training_texts)
+
+
+@pytest.fixture(scope="module")
+def hay(tiny_corpus):
+    from transformers import PreTrainedTokenizerFast
+
+    _, corpus, _ = tiny_corpus
+    tok = PreTrainedTokenizerFast.from_pretrained(str(corpus / "tokenizer"))
+    docs = [json.loads(line)["text"] for line in (corpus / "heldout.jsonl").read_text().splitlines()]
+    return tok, Haystack([tok(d, add_special_tokens=False)["input_ids"] for d in docs], tok)
+
+
+def oracle(task: str, prompt: str) -> str:
+    """Answers the question from the prompt text alone, as a reader would."""
+    if task == "passkey":
+        return " " + re.search(r"The pass key is (\d+)\.", prompt).group(1)
+    if task in ("single_needle", "multi_key"):
+        key = re.search(r"What is the special magic number for ([\w-]+)\?", prompt).group(1)
+        return " " + re.search(rf"magic numbers for {key} is: (\d+)\.", prompt).group(1)
+    if task == "multi_value":
+        key = re.search(r"What are all the special magic numbers for ([\w-]+),", prompt).group(1)
+        return ",".join(" " + v for v in re.findall(rf"magic numbers for {key} is: (\d+)\.", prompt))
+    value = re.search(r"assigned the value (\d+)\?", prompt).group(1)
+    held, found = {value}, []
+    for name, rhs in re.findall(r"VAR ([A-Z]{5}) = (?:VAR )?([A-Z]{5}|\d+)\.", prompt):
+        if rhs in held:
+            held.add(name)
+            found.append(" " + name)
+    return "".join(found)
+
+
+def _occurrences(ids, sub):
+    return [i for i in range(len(ids) - len(sub) + 1) if ids[i:i + len(sub)] == sub]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_probe_answer_recoverable_at_its_depth_and_nowhere_else(hay, task):
+    tok, haystack = hay
+    length, k = 1400, 0
+    for depth in (0.0, 0.3, 1.0):
+        p = make_probe(task, tok, haystack, length, depth, random.Random(f"t/{task}/{depth}"), bos_id=tok.bos_token_id)
+        ids, labels, n = p["input_ids"].tolist(), p["labels"], p["answer_tokens"]
+        assert len(ids) == length and ids[0] == tok.bos_token_id and tok.bos_token_id not in ids[1:]
+        assert (labels[:-n] == -100).all() and labels[-n:].tolist() == ids[-n:]
+        prompt = tok.decode(ids[1:-n])
+        assert oracle(task, prompt) == p["answer"] == tok.decode(ids[-n:])
+        # the main needle lies at its depth of the haystack: exactly, up to the needles placed before it
+        before = sum(n_ for a, n_ in zip(p["needle_at"][1:], p["needle_len"][1:]) if a < p["needle_at"][0])
+        offset = p["needle_at"][0] - p["prefix"] - before
+        assert abs(offset - depth * p["free"]) <= 1
+        # every value's tokens occur only inside the planted needles, the question and the answer
+        needle_ends = [a + n_ for a, n_ in zip(p["needle_at"], p["needle_len"])]
+        for value in set(re.findall(r"\d{5,}|[A-Z]{5}", p["answer"] + prompt[-200:])):
+            sub = tok(" " + value, add_special_tokens=False)["input_ids"]
+            for at in _occurrences(ids, sub):
+                assert at >= p["question_at"] or any(a <= at < e for a, e in zip(p["needle_at"], needle_ends)), value
+            k += 1
+    assert k >= 3
+
+
+def test_grid_is_seeded_per_cell_and_too_short_is_refused(hay):
+    tok, haystack = hay
+    a = probe_grid(["passkey", "single_needle"], tok, haystack, [600, 800], depth_grid(3), 2, seed="eval")
+    assert len(a) == 2 * 2 * 3 * 2 and depth_grid(3) == [0.0, 0.5, 1.0] and depth_grid(1) == [0.5]
+    b = probe_grid(["single_needle"], tok, haystack, [800], depth_grid(3), 2, seed="eval")
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a[18:], b))  # same cell, same probes
+    c = probe_grid(["single_needle"], tok, haystack, [800], depth_grid(3), 2, seed="train")
+    assert not torch.equal(c[0]["input_ids"], b[0]["input_ids"])
+    texts = training_texts(["passkey"], tok, haystack, [600], 3, seed="study")
+    assert len(texts) == 3 and all("The pass key is" in t for t in texts)
+    with pytest.raises(ValueError, match="fixed text takes"):
+        make_probe("multi_key", tok, haystack, 64, 0.5, random.Random(0))
+    with pytest.raises(ValueError, match="unknown task"):
+        probe_grid(["needle"], tok, haystack, [600], [0.5], 1, seed="x")
+
+
+def test_pack_probes_and_table(hay):
+    tok, haystack = hay
+    probes = probe_grid(["passkey"], tok, haystack, [300, 500], [0.0, 1.0], 1, seed="eval")
+    packs = pack_probes(probes, 1000, pad_id=tok.pad_token_id)
+    assert [p["probe_ids"] for p in packs] == [[0, 1], [2, 3]]
+    first = packs[0]
+    assert first["cu_seqlens"].tolist() == [0, 300, 600, 1000] and first["num_segments"] == 3
+    assert first["segments"].tolist() == [0] * 300 + [1] * 300 + [2] * 400
+    assert torch.equal(first["input_ids"][300:600], probes[1]["input_ids"])
+    assert first["position_ids"][300].item() == 0 and (first["labels"][600:] == -100).all()
+    table = retrieval_table(probes, [True, False, True, True])
+    assert table == {"passkey": {"300": {"0": 1.0, "1": 0.0}, "500": {"0": 1.0, "1": 1.0}}}

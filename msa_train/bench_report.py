@@ -268,7 +268,7 @@ def point_overrides(point: Point, fits: Callable[[List[str]], bool] = planner_fi
 
 def measure_point(point: Point, steps: int, warmup: int, timeout: int, workdir: Path, device: str) -> Dict:
     """One point as a fresh process (bench.run_point); its step time, peak memory, phases and kernels."""
-    from msa_train import bench
+    from msa_train import bench_points as bench
 
     overrides = point_overrides(point)
     p = bench.run_point("llama3_8b_64k", point.attention, point.seq_len, steps, overrides, workdir, timeout)
@@ -384,7 +384,7 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
     extra = [x for x in extra if x != "--"]
     import torch
 
-    from msa_train import bench
+    from msa_train import bench_points as bench
     from msa_train.cli import compose
     from msa_train.parallel.planner import plan_of_config
 
@@ -442,7 +442,7 @@ def plan_check(argv: Sequence[str]) -> List[Dict]:
     p.add_argument("--timeout", type=int, default=540)
     p.add_argument("--tolerance", type=float, default=0.10)
     args = p.parse_args(list(argv))
-    from msa_train import bench
+    from msa_train import bench_points as bench
     from msa_train.cli import compose
     from msa_train.parallel.planner import plan_of_config
 

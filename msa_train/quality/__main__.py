@@ -24,7 +24,8 @@ def main(argv=None) -> int:
                        ("report", "summary.json and plots from the runs so far")):
         s = sub.add_parser(name, help=text)
         s.add_argument("--work", required=True, help="work directory: corpus/, data/, runs/, state.json")
-        s.add_argument("--out", default="benchmarks/results/quality", help="where summary.json and the plots go")
+        s.add_argument("--out", default="runs/quality/results",
+                       help="where summary.json and the plots go (the maintainers pass the committed results folder: docs/quality.md)")
         if name != "report":
             s.add_argument("--budget-s", type=float, default=540.0,
                            help="wall-clock seconds for this invocation; rerun the same command to continue")

@@ -8,12 +8,14 @@ from msa_train.config import ParallelConfig, TrainConfig
 from msa_train.parallel import build_deepspeed_config
 from tests.msa_train._util import compose, run_cli
 
-RECIPES = ["tiny", "tiny_qwen3", "llama3_8b_64k", "qwen3_14b_1m", "qwen25_32b_128k", "llama3_8b_sft_longdoc"]
+RECIPES = ["tiny", "tiny_qwen3", "llama3_8b_64k", "qwen3_14b_1m", "qwen25_32b_128k", "llama3_8b_sft_longdoc", "quality_170m"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes_and_validates(recipe):
     extra = [] if recipe.startswith("tiny") else ["data.path=/data/docs.jsonl"]
+    if recipe.startswith("quality"):  # its retrieval grid draws haystacks from held-out documents
+        extra.append("data.eval_fraction=0.01")
     cfg = compose([f"recipe={recipe}", *extra])
     assert cfg.recipe_name == recipe
     assert cfg.model.hf_config or cfg.model.path

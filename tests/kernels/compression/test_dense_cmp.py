@@ -148,7 +148,7 @@ def test_nsa_attention_passes_uniform_streams(monkeypatch):
     import flash_msa.nsa as nsa
     seen = []
 
-    def spy(branches, q, *args, uniform, deterministic):
+    def spy(branches, q, *args, uniform, deterministic, gather_group=None):
         seen.append(uniform)
         return torch.zeros_like(q)
 

@@ -21,6 +21,7 @@ def main(argv=None) -> int:
     c.add_argument("--seed", type=int, default=0)
     for name, text in (("study-a", "from scratch: attention=full and fmsa (and a second dense seed)"),
                        ("study-b", "dense -> NSA conversion from study A's dense model"),
+                       ("all", "study A's two arms, study B, then study A's second dense seed, in one budget"),
                        ("report", "summary.json and plots from the runs so far")):
         s = sub.add_parser(name, help=text)
         s.add_argument("--work", required=True, help="work directory: corpus/, data/, runs/, state.json")
@@ -30,6 +31,9 @@ def main(argv=None) -> int:
             s.add_argument("--budget-s", type=float, default=540.0,
                            help="wall-clock seconds for this invocation; rerun the same command to continue")
         s.add_argument("--tiny", action="store_true", help="tiny sizes: the CPU test of the whole pipeline")
+        s.add_argument("--steps", type=int, default=None,
+                       help="study A's optimizer steps (default: the recipe's); study B runs a tenth of them. "
+                            "Give the same value to every invocation of one study")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -44,10 +48,13 @@ def main(argv=None) -> int:
 
     work, out = Path(args.work), Path(args.out)
     plan = study.Plan.tiny(len(study._tokenizer(work))) if args.tiny else study.Plan.gpu()
+    if args.steps:
+        plan = plan.with_steps(args.steps)
     if args.command == "report":
         study.report(work, out, plan)
         return 0
-    done = (study.study_a if args.command == "study-a" else study.study_b)(work, out, args.budget_s, plan)
+    run = {"study-a": study.study_a, "study-b": study.study_b, "all": study.study_all}[args.command]
+    done = run(work, out, args.budget_s, plan)
     print(f"{args.command}: {'done' if done else 'not finished: run the same command again to continue'}")
     return 0 if done else 3
 

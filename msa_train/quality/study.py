@@ -10,6 +10,7 @@ reads the runs and writes ``summary.json`` and the plots.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -42,6 +43,13 @@ class Plan:
     distill_lr: float = 1e-3
     min_piece_s: float = 120.0          # a job is started (or resumed) only with this much budget left
     eval_reserve_s: float = 90.0        # the final evaluation's time, kept out of the training budget
+
+    def with_steps(self, steps: int) -> "Plan":
+        """This plan with study A at ``steps`` optimizer steps and study B at a tenth of them."""
+        if steps < 10:
+            raise ValueError(f"--steps {steps}: expected at least 10 (study B runs a tenth of study A's steps)")
+        return dataclasses.replace(self, recipe_overrides=[*self.recipe_overrides, f"train.steps={steps}"],
+                                   conversion_steps=steps // 10)
 
     @staticmethod
     def gpu() -> "Plan":
@@ -209,6 +217,21 @@ def study_b(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
     if not _read_state(work).get("a_full", {}).get("done"):
         raise ValueError(f"study-b converts study A's dense model: finish study-a under --work {work} first")
     done = run_jobs(_jobs_b(plan, work), work, deadline, plan)
+    report(work, out, plan)
+    return done
+
+
+def study_all(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
+    """Both studies in one budget, most important first: dense and fmsa from scratch, the
+    conversion (which starts from the dense run), then the second dense seed. A piece that runs
+    out of budget leaves the rest for the next invocation, as study-a and study-b do."""
+    deadline = time.time() + budget_s
+    prepare_mix(plan, work)
+    a = _jobs_a(plan, work)
+    first = {k: a.pop(k) for k in ("a_full", "a_fmsa")}
+    done = run_jobs(first, work, deadline, plan)
+    if done:
+        done = run_jobs({**_jobs_b(plan, work), **a}, work, deadline, plan)
     report(work, out, plan)
     return done
 

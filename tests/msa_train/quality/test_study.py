@@ -2,12 +2,21 @@
 import json
 import shutil
 
-from msa_train.quality.study import steps_to_within
+import pytest
+
+from msa_train.quality.study import Plan, steps_to_within
 
 
 def test_steps_to_within():
     assert steps_to_within([2.0, 1.5, 1.005, 1.0], [1.0, 1.0, 1.0, 1.0], window=1) == 3
     assert steps_to_within([2.0, 1.0, 2.0], [1.0, 1.0, 1.0], window=1) is None
+
+
+def test_steps_option_sizes_both_studies():
+    plan = Plan.gpu().with_steps(240)
+    assert plan.recipe_overrides[-1] == "train.steps=240" and plan.conversion_steps == 24
+    with pytest.raises(ValueError, match="--steps 5"):
+        Plan.gpu().with_steps(5)
 
 
 def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
@@ -20,8 +29,12 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--budget-s", "1"]) == 3  # a piece
     state = json.loads((work / "state.json").read_text())
     assert not state["a_full"]["done"] and 1 <= state["a_full"]["step"] < 3
-    assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny"]) == 0  # continues
-    assert main(["study-b", "--work", str(work), "--out", str(out), "--tiny"]) == 0
+    with pytest.raises(ValueError, match="finish study-a"):
+        main(["study-b", "--work", str(work), "--out", str(out), "--tiny"])
+    assert main(["all", "--work", str(work), "--out", str(out), "--tiny"]) == 0  # continues, then study B
+    state = json.loads((work / "state.json").read_text())
+    assert list(state) == ["a_full", "a_fmsa", "b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1"]  # priority order
+    assert all(v["done"] for v in state.values())
     s = json.loads((out / "summary.json").read_text())
     for name in ("full", "fmsa"):
         e = s["from_scratch"][name]

@@ -127,24 +127,21 @@ def run(cfg) -> dict:
         if lost is None:
             raise
         raise lost from e
-    _shutdown_distributed()
     return summary
 
 
-_ENDED_DISTRIBUTED = False  # set when a distributed run has finished and torn its groups down
-
-
-def _shutdown_distributed() -> None:
-    """All ranks done: tear the process groups down before the interpreter exits. Left to exit,
-    the communicators' threads (gloo's, several groups with sequence parallelism) can be destroyed
-    while running, which aborts the process ("terminate called without an active exception")."""
-    global _ENDED_DISTRIBUTED
+def _shutdown_distributed() -> bool:
+    """All ranks done: tear the process groups down before the interpreter exits, and say whether
+    there were any. Left to exit, the communicators' threads (gloo's, several groups with sequence
+    parallelism) can be destroyed while running, which aborts the process ("terminate called without
+    an active exception")."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-        _ENDED_DISTRIBUTED = True
+    if not dist.is_initialized():
+        return False
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
 
 
 def _exit_after_distributed_run() -> None:
@@ -275,13 +272,22 @@ def main() -> None:
 
     previous = os.environ.get("HYDRA_FULL_ERROR")
     full_error = previous == "1"
+    import torch.distributed as dist
+
+    # The process groups this invocation may tear down, and end the process for, are the ones its
+    # run brings up. One already up belongs to the caller (an in-process test): it stays, and
+    # errors exit through SystemExit as usual.
+    own_groups = not (dist.is_available() and dist.is_initialized())
+    ended_distributed = False
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
     def _app(cfg) -> None:
+        nonlocal ended_distributed
         try:
             run(cfg)
+            ended_distributed = own_groups and _shutdown_distributed()
         except Exception as e:  # here, before Hydra adds its "Error executing job" line
-            _report(e, full_error)
+            _report(e, full_error, own_groups)
 
     # Hydra hands a failed composition to its caller only under HYDRA_FULL_ERROR=1; otherwise it prints
     # it and exits 1 itself, and user errors could not be told from bugs. So it is set for the call, and
@@ -290,19 +296,20 @@ def main() -> None:
     try:
         _app()
     except Exception as e:
-        _report(e, full_error)
+        _report(e, full_error, own_groups)
     finally:
         if previous is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
-    if _ENDED_DISTRIBUTED:
+    if ended_distributed:
         _exit_after_distributed_run()
 
 
-def _report(e: Exception, full_error: bool) -> None:
+def _report(e: Exception, full_error: bool, own_groups: bool) -> None:
     """A user error (exit 2) or a lost peer (exit 1) as one line "msa-train: error: ...", its traceback
-    only with HYDRA_FULL_ERROR=1; anything else is a bug and raises on with its traceback (exit 1)."""
+    only with HYDRA_FULL_ERROR=1; anything else is a bug and raises on with its traceback (exit 1).
+    ``own_groups``: a process group up now was brought up by this invocation (see :func:`_exit`)."""
     from msa_train.parallel.distributed import PeerLost
 
     user = is_user_error(e)
@@ -315,16 +322,16 @@ def _report(e: Exception, full_error: bool) -> None:
 
         traceback.print_exception(e)
     print(f"msa-train: error: {error_message(e)}", file=sys.stderr, flush=True)
-    _exit(2 if user else 1)
+    _exit(2 if user else 1, own_groups)
 
 
-def _exit(code: int) -> None:
-    """Exit with ``code``. With a process group still up (a rank failed mid-run, its peers may be
-    gone), skip the interpreter's finalisation, which would tear down communicator threads that are
-    still running (see _exit_after_distributed_run)."""
+def _exit(code: int, own_groups: bool) -> None:
+    """Exit with ``code``. With a process group of this run still up (a rank failed mid-run, its
+    peers may be gone), skip the interpreter's finalisation, which would tear down communicator
+    threads that are still running (see _exit_after_distributed_run)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if own_groups and dist.is_available() and dist.is_initialized():
         import logging
 
         logging.shutdown()

@@ -14,9 +14,6 @@ from tests.msa_train.test_config import RECIPES
 def _main(monkeypatch, capsys, *argv):
     monkeypatch.setattr(sys, "argv", ["msa-train", *argv])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    # a process group left up by an earlier in-process test of this worker would make the CLI end the
-    # process with os._exit (cli._exit): these cases are single-process configuration errors
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(SystemExit) as exit_:
         cli.main()
     return exit_.value.code, capsys.readouterr().err
@@ -36,6 +33,22 @@ def test_user_errors_are_one_line_and_exit_2(monkeypatch, capsys, argv, expected
     assert err.strip() == f"msa-train: error: {err.strip().removeprefix('msa-train: error: ')}"
     assert expected in err and "Traceback" not in err and "Error executing job" not in err, err
     assert "+trian.lr=1" not in err.replace("unknown setting: +trian.lr", "")  # Hydra's "+key" hint is gone
+
+
+def test_a_process_group_of_the_caller_stays_up_and_errors_exit_normally(monkeypatch, capsys, tmp_path):
+    """An in-process caller's process group (a test's, an earlier Trainer's) is not this run's:
+    the CLI neither ends the process for it (os._exit would take pytest's worker down) nor tears it down."""
+    mine = not torch.distributed.is_initialized()
+    if mine:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    monkeypatch.setattr(cli.os, "_exit", lambda code: pytest.fail(f"os._exit({code}) for the caller's group"))
+    try:
+        code, err = _main(monkeypatch, capsys, "train.lr=inf")
+        assert code == 2 and "train.lr=inf" in err
+        assert torch.distributed.is_initialized()
+    finally:
+        if mine:
+            torch.distributed.destroy_process_group()
 
 
 def test_full_error_keeps_the_traceback_and_bugs_keep_theirs(monkeypatch, capsys):

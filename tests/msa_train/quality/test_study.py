@@ -1,6 +1,7 @@
 """The whole quality pipeline at tiny size on CPU: corpus, study A, study B, report (msa_train/quality)."""
 import json
 import shutil
+import time
 
 import pytest
 
@@ -22,11 +23,20 @@ def test_steps_option_sizes_both_studies():
 def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     from msa_train.quality.__main__ import main
 
+    from msa_train.trainer import Trainer
+
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    step = Trainer.train_step
+
+    def slow_step(self):  # a tiny step can end before the budget's stop signal is sent: 0.5 s each
+        time.sleep(0.5)
+        return step(self)
     _, corpus, _ = tiny_corpus
     work, out = tmp_path / "work", tmp_path / "out"
     shutil.copytree(corpus, work / "corpus")
-    assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--budget-s", "1"]) == 3  # a piece
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "train_step", slow_step)
+        assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--budget-s", "1"]) == 3  # a piece
     state = json.loads((work / "state.json").read_text())
     assert not state["a_full"]["done"] and 1 <= state["a_full"]["step"] < 3
     with pytest.raises(ValueError, match="finish study-a"):

@@ -2,7 +2,7 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e longest phases fusedops nsa selected variants ncu
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e longest phases fusedops nsa selected variants ncu quality
 # The maintainers copy a stage's files to benchmarks/results/<benchmark>/latest.* (docs/performance.md
 # lists which stage writes which benchmark). (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
 # longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
@@ -74,6 +74,23 @@ for stage in $stages; do
       mkdir -p "$OUT/sel1m"
       timeout 120 python3 scripts/bench_selected.py --out "$OUT/sel1m" --Ts 1048576 --Gs 4 --check-T 2048 \
         --skip-bwd-over 524288 --no-fla --warmup 2 --rep 10 2>&1 | tail -8 | tee -a "$OUT/selected.log" ;;
+    quality)  # the quality study (docs/quality.md) as a background job that outlives this call (the machine
+              # keeps its disk while warm): the first call builds the corpus and starts `python -m
+              # msa_train.quality all` (QUALITY_BUDGET s, QUALITY_STEPS steps); every call then waits up to
+              # QUALITY_WAIT s and packs what exists (summary, plots, each run's metrics, the log) into $OUT/quality.tgz
+      W=/tmp/quality; mkdir -p "$W"
+      if [ ! -f "$W/started" ]; then
+        touch "$W/started"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/gpu.txt"
+        setsid nohup bash -c "python3 -m msa_train.quality corpus --out $W/corpus --max-tokens ${QUALITY_TOKENS:-20000000} \
+            --vocab 16384 && python3 -m msa_train.quality all --work $W --out $W/results --budget-s ${QUALITY_BUDGET:-1200} \
+            ${QUALITY_STEPS:+--steps $QUALITY_STEPS}; echo \$? > $W/rc" > "$W/log" 2>&1 < /dev/null &
+      fi
+      end=$((SECONDS + ${QUALITY_WAIT:-540}))
+      while [ ! -f "$W/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+      [ -f "$W/rc" ] && echo "quality: finished, rc=$(cat "$W/rc")" || echo "quality: still running"
+      (cd "$W" && tar czf "$OUT/quality.tgz" --ignore-failed-read gpu.txt log rc state.json results data/mix.json \
+         corpus/manifest.json runs/*/metrics.jsonl runs/*/summary.json runs/*/nsa_distill.json runs/*/config.yaml 2>/dev/null)
+      grep -v "^\s*$" "$W/log" | tail -40 ;;
     ncu)    # where the time goes at 64K (Llama3-8B shape): torch.profiler table, then Nsight Compute
             # sections of one launch of each main kernel (NAME:launches to skip:launches to profile)
       mkdir -p "$OUT/ncu_work"

@@ -39,6 +39,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--budget-s", "1"]) == 3  # a piece
     state = json.loads((work / "state.json").read_text())
     assert not state["a_full"]["done"] and 1 <= state["a_full"]["step"] < 3
+    assert json.loads((out / "summary.json").read_text())["from_scratch"]["full"]["done"] is False
     with pytest.raises(ValueError, match="finish study-a"):
         main(["study-b", "--work", str(work), "--out", str(out), "--tiny"])
     assert main(["all", "--work", str(work), "--out", str(out), "--tiny"]) == 0  # continues, then study B
@@ -48,6 +49,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     s = json.loads((out / "summary.json").read_text())
     for name in ("full", "fmsa"):
         e = s["from_scratch"][name]
+        assert e["done"] is True
         assert e["tokens"] == 3 * 256 and e["wall_s"] > 0 and e["final_eval_loss"] > 0
         assert set(e["retrieval"]) == {"passkey", "single_needle"} and set(e["retrieval"]["passkey"]) == {"384", "512"}
     assert s["from_scratch"]["dense_seed_spread"] is not None

@@ -208,23 +208,50 @@ def _jsonl_records(path: str) -> Iterator[tuple[str, Any, Optional[str]]]:
 
 
 def _txt_records(path: str, sample_by: str, text_field: str) -> Iterator[tuple[str, Any, Optional[str]]]:
+    """A text file's records: the whole file (``document``), or its non-blank lines or blank-line
+    separated paragraphs, read line by line (a large file of lines or paragraphs is never held whole)."""
+    lineno = 0
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, encoding="utf-8") as f:  # universal newlines: CRLF files read as LF
+            if sample_by == "document":
+                text = f.read()
+                if text.strip():  # an empty file holds no document (as blank lines hold no paragraph)
+                    yield f"{path}:1", {text_field: text}, None
+                return
+            for lineno, text in (_lines(f) if sample_by == "line" else _paragraphs(f)):
+                yield f"{path}:{lineno}", {text_field: text}, None
     except UnicodeDecodeError as e:
-        yield f"{path}:1", None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
-        return
-    if sample_by == "document":
-        if text.strip():  # an empty file holds no document (as blank lines hold no paragraph)
-            yield f"{path}:1", {text_field: text}, None
-        return
-    # Blank lines separate paragraphs / lines; they are not records, so they are skipped.
-    pattern = r"[^\n]+" if sample_by == "line" else r"\S[\s\S]*?(?=\n[ \t]*\n|\Z)"
-    lineno, pos = 1, 0
-    for m in re.finditer(pattern, text):
-        lineno, pos = lineno + text.count("\n", pos, m.start()), m.start()
-        if m.group().strip():
-            yield f"{path}:{lineno}", {text_field: m.group()}, None
+        yield f"{path}:{lineno + 1}", None, f"not valid UTF-8 ({e.reason} at byte {e.start} of a read block)"
+
+
+def _lines(f) -> Iterator[tuple[int, str]]:
+    """(line number, line) of every line that is not blank, without its newline."""
+    for lineno, line in enumerate(f, start=1):
+        text = line[:-1] if line.endswith("\n") else line
+        if text.strip():
+            yield lineno, text
+
+
+_BLANK = re.compile(r"[ \t]*\n")
+
+
+def _paragraphs(f) -> Iterator[tuple[int, str]]:
+    """(line number of its first character, paragraph) of each paragraph: text from its first
+    non-whitespace character up to the newline before the next blank line (a line of spaces and
+    tabs only), or to the end of the file, where it keeps its final newline."""
+    lines, first = [], 0
+    for lineno, line in enumerate(f, start=1):
+        if not lines:
+            start = line.lstrip()
+            if start:
+                lines, first = [start], lineno
+        elif _BLANK.fullmatch(line):
+            yield first, "".join(lines)[:-1]  # up to the newline before the blank line
+            lines = []
+        else:
+            lines.append(line)
+    if lines:
+        yield first, "".join(lines)
 
 
 # --------------------------------------------------------------------------- validation
@@ -321,11 +348,28 @@ def _validated_records(files: list, cfg_dict: dict) -> Iterator[dict]:
         for loc, rec, error in _raw_records(path, ftype, cfg):
             if error is None:
                 try:
-                    yield {**validate_record(rec, cfg), SOURCE_COL: loc, ERROR_COL: ""}
+                    valid = validate_record(rec, cfg)
+                    _warn_if_huge(valid, loc)
+                    yield {**valid, SOURCE_COL: loc, ERROR_COL: ""}
                     continue
                 except _Bad as e:
                     error = str(e)
             yield {**_empty_record(cfg.format), SOURCE_COL: loc, ERROR_COL: error}
+
+
+HUGE_RECORD_CHARS = 10_000_000  # about 2.5M tokens: a record past this gets a warning
+
+
+def _warn_if_huge(record: dict, loc: str) -> None:
+    """Warn about a record whose text is larger than :data:`HUGE_RECORD_CHARS`: it loads and trains
+    (tokenized in pieces of bounded memory, msa_train.data.tokenization), but slowly, and it is one
+    document that packing splits over many sequences; often it is a file that was meant to be split
+    (``data.text_sample_by=paragraph`` or ``line`` for text files)."""
+    chars = sum(len(v) for v in record.values() if isinstance(v, str))
+    if chars > HUGE_RECORD_CHARS:
+        logger.warning("data: %s: a record of %.1fM characters (about %.1fM tokens); it trains as one document "
+                       "split over many sequences. If it holds many documents, split it (for text files: "
+                       "data.text_sample_by=paragraph or line)", loc, chars / 1e6, chars / 4e6)
 
 
 # --------------------------------------------------------------------------- report

@@ -164,9 +164,26 @@ def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: t
     return model
 
 
+class _AllOnMeta(torch.overrides.TorchFunctionMode):
+    """Every tensor constructor makes a meta tensor, also one given a device. ``torch.device("meta")``
+    only fills in a missing device and sits below every other mode, so what the process set up
+    before can win over it: in CI, a pytest worker that had run ZeRO-3 and CPU trainings in-process
+    built the planner's 14B-parameter model on the host inside ``torch.device("meta")`` (the worker
+    was OOM-killed; under ``ulimit -v`` the MemoryError showed a CPU DeviceContext filling in the
+    device). A dry run must not depend on what ran before it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._device import _device_constructors
+
+        kwargs = dict(kwargs or {})
+        if func in _device_constructors():
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
 def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> tuple[int, int]:
     """Build the patched model on the meta device: validates the config and the patch and counts
-    parameters without allocating any memory. (``torch.device("meta")``, not accelerate's
+    parameters without allocating any memory. (A mode of our own, :class:`_AllOnMeta`, not accelerate's
     ``init_empty_weights``, which re-creates each parameter and so unties tied embeddings.)
 
     Returns:
@@ -181,9 +198,10 @@ def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> 
     else:
         values = {k: v for k, v in model_cfg.hf_config.items() if k != "model_type"}
         config = AutoConfig.for_model(model_cfg.model_type, **values)
-    with torch.device("meta"):
+    with _AllOnMeta():
         model = family_of(config).causal_lm_cls(config)
         patch_model(model, attention_cfg)
+    assert all(p.is_meta for p in model.parameters()), "the dry run allocated parameters"
     embedding = model.get_input_embeddings().weight
     matmul = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False)
                  if not (p is embedding and "lm_head" not in name) and ".nsa." not in name)

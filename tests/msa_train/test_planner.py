@@ -118,3 +118,21 @@ def test_parameter_counts_read_as_people_write_them():
 
     assert format_count(15_065_000_000) == "15.1B" and format_count(123_400_000) == "123M"
     assert format_count(4_300) == "4.3K" and format_count(12) == "12"
+
+
+def test_the_dry_run_stays_on_meta_when_constructors_are_given_a_device(monkeypatch):
+    """count_parameters (the planner's and the trainer's dry run) builds on the meta device even when
+    tensor constructors are called with a device, as DeepSpeed's zero.Init patches make them."""
+    from msa_train.models import count_parameters
+
+    made, empty = [], torch.empty
+
+    def empty_on_cpu(*args, **kwargs):
+        out = empty(*args, **{**kwargs, "device": kwargs.get("device") or "cpu"})
+        made.append(out.device.type)
+        return out
+
+    monkeypatch.setattr(torch, "empty", empty_on_cpu)
+    cfg = compose(["recipe=tiny_qwen3"])
+    total, _ = count_parameters(cfg.model, cfg.attention)
+    assert total > 0 and made and set(made) == {"meta"}

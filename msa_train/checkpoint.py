@@ -381,6 +381,10 @@ class CheckpointManager:
         if skipped:
             raise CheckpointError(f"train.resume=auto: no checkpoint under {self.root} verifies (each set aside as "
                                   f"corrupt_step_N): {' | '.join(skipped)}")
+        aside = sorted(p.name for p in self.root.glob("corrupt_step_*")) if self.root.is_dir() else []
+        if aside and self.rank == 0:  # an earlier resume set every checkpoint aside: say so before step 0
+            log.warning("train.resume=auto: no checkpoint to resume under %s, only %s set aside earlier as not "
+                        "verifying; training starts from step 0", self.root, ", ".join(aside))
         return None
 
     def _set_aside(self, path: Path, why: str) -> None:

@@ -311,10 +311,12 @@ def _report(e: Exception, full_error: bool, own_groups: bool) -> None:
     only with HYDRA_FULL_ERROR=1; anything else is a bug and raises on with its traceback (exit 1).
     ``own_groups``: a process group up now was brought up by this invocation (see :func:`_exit`)."""
     from msa_train.parallel.distributed import PeerLost
+    from msa_train.trainer import NonFiniteError
 
     user = is_user_error(e)
-    # a lost peer, or a write that failed (a full disk), explained by msa_train: one line, exit 1
-    reported = isinstance(e, PeerLost) or (isinstance(e, OSError) and _raised_by_us(e))
+    # a lost peer, a run that stopped on a non-finite value, or a write that failed (a full disk),
+    # explained by msa_train: one line, exit 1
+    reported = isinstance(e, (PeerLost, NonFiniteError)) or (isinstance(e, OSError) and _raised_by_us(e))
     if not (user or reported):
         raise e
     if full_error:

@@ -165,3 +165,11 @@ def gate_combine(gates: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, 
         o [T, HQ, D]. Differentiable in the gates and the three branch outputs.
     """
     return GateCombineFunction.apply(o_cmp, o_slc, o_swa, gates, out_dtype)
+
+
+def gate_combine_reference(gates: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_swa: torch.Tensor,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`gate_combine` in plain PyTorch (the reference, and the CPU path): same arguments, same result."""
+    g = gates.float()  # the combination runs in fp32
+    o = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_swa.float()
+    return o.to(out_dtype)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from flash_msa import reference
 from flash_msa.compression.interface import TRITON_BRANCHES
 from flash_msa.decode import nsa_decode
+from flash_msa.gates import gate_combine_reference
 from flash_msa.selection.interface import ALL_IMPLS, resolve_impl, run_selected
 from flash_msa.utils.validation import (  # noqa: F401 (check_nsa_sizes: re-exported for msa_train's config)
     check_cu_seqlens, check_gates_range, check_nsa_sizes, check_positive_int, check_qkv, check_scale, check_tensor)
@@ -80,13 +81,7 @@ def _compose(branches, q, k, v, gates, k_cmp, v_cmp, cu,
     # idx comes from our own top-k (distinct, in range): no second validation
     o_slc = run_selected(q[None], k[None], v[None], idx[None], slc_block, cu, scale, selected_impl)[0]
     o_swa = branches.window_attention(q, k, v, cu, window, scale)
-    return getattr(branches, "combine", _combine)(gates, o_cmp, o_slc, o_swa, q.dtype)
-
-
-def _combine(gates, o_cmp, o_slc, o_swa, dtype):
-    g = gates.float()  # the combination runs in fp32
-    o = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_swa.float()
-    return o.to(dtype)
+    return getattr(branches, "combine", gate_combine_reference)(gates, o_cmp, o_slc, o_swa, q.dtype)
 
 
 def nsa_attention(

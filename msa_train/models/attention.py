@@ -270,13 +270,19 @@ def nsa_attention_forward(module, query, key, value, attention_mask=None, scalin
         if layer is not None:  # transformers >= 5: keep the compressed rows for the next step
             setattr(layer, _DECODE_STATE, _DecodeState(key, rows))
         return o, None
-    # The Triton kernels need CUDA; anywhere else the PyTorch reference computes the same function.
-    nsa.impl = nsa.requested_impl if query.is_cuda else "reference"
+    select_impl(nsa, query)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H, D]
     # with sequence parallelism the module exchanges q/k/v and its gates itself (NativeSparseAttention.forward)
     o = nsa(hidden, q, k, v, cu_seqlens=cu_seq_lens_q, scale=scaling,
             sequence_parallel=getattr(module, SP_ATTR, None))
     return o, None
+
+
+def select_impl(nsa, query: torch.Tensor) -> None:
+    """The one place the trainer picks the NSA module's kernels for where its tensors are: the
+    configured ``attention`` (``requested_impl``) on CUDA; anywhere else the PyTorch reference, which
+    computes the same function (flash_msa refuses a named kernel on a CPU tensor)."""
+    nsa.impl = nsa.requested_impl if query.is_cuda else "reference"
 
 
 def register_attention_backends() -> None:

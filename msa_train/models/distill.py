@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List
 
 import torch
 
-from msa_train.models.attention import DISTILL, _HIDDEN, _full_attention
+from msa_train.models.attention import DISTILL, _HIDDEN, _full_attention, select_impl
 
 _LOSS = "_msa_distill_loss"
 
@@ -42,7 +42,7 @@ def distill_attention_forward(module, query, key, value, attention_mask=None, sc
     with torch.no_grad():
         target = _full_attention(query, key, value, scaling, cu_seq_lens_q, max_length_q)
     nsa = module.nsa
-    nsa.impl = nsa.requested_impl if query.is_cuda else "reference"
+    select_impl(nsa, query)
     q, k, v = (x.detach().transpose(1, 2) for x in (query, key, value))
     out = nsa(hidden.detach(), q, k, v, cu_seqlens=cu_seq_lens_q, scale=scaling)
     t = target.float()

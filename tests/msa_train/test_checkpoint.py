@@ -1,5 +1,6 @@
 """CheckpointManager's guarantees without a model: a fake engine writes one file per save."""
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,11 @@ def test_metrics_truncation_survives_a_cut_last_line(tmp_path):
                            config_dict={})
     logger.close()
     assert path.read_text().splitlines() == lines[:2]
+
+
+def test_resume_auto_with_only_set_aside_checkpoints_says_it_starts_over(tmp_path, caplog):
+    (tmp_path / "corrupt_step_000004").mkdir()
+    with caplog.at_level(logging.WARNING, logger="msa_train.checkpoint"):
+        assert CheckpointManager(tmp_path, rank=0).resolve("auto") is None
+    assert any("only corrupt_step_000004 set aside" in r.getMessage() and "from step 0" in r.getMessage()
+               for r in caplog.records)

@@ -96,3 +96,14 @@ def test_help_shows_each_recipes_first_sentence_whole():
     assert entries["qwen25_32b_128k"].startswith("Qwen2.5-32B (G = 5, q/k/v biases) at 128K tokens")
     assert "(e.g. torchrun --nproc-per-node 8)." in entries["qwen25_32b_128k"]
     assert all(len(line) <= 100 for line in lines)
+
+
+def test_a_run_stopped_on_a_non_finite_value_is_one_line_and_exit_1(monkeypatch, capsys):
+    from msa_train.trainer import NonFiniteError
+
+    def stopped(cfg):
+        raise NonFiniteError("train.on_nonfinite=stop: at step 3 grad_norm=inf not finite")
+
+    monkeypatch.setattr(cli, "run", stopped)
+    code, err = _main(monkeypatch, capsys)
+    assert code == 1 and err.strip() == "msa-train: error: train.on_nonfinite=stop: at step 3 grad_norm=inf not finite"

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_msa.compression.naive import top_blocks
+from flash_msa.gates import gate_combine_reference
 from flash_msa.selection.naive import _acc_dtype, masked_softmax_av, selected_rows
 
 
@@ -89,8 +90,6 @@ def nsa_decode_torch(
     sw = scale * torch.einsum("chgd,cwhd->chgw", qg, kg)
     o_swa = masked_softmax_av(sw, in_win[:, None, None, :], vg.permute(0, 2, 1, 3)).reshape(B * Tq, HQ, D)
 
-    from flash_msa.nsa import _combine  # (nsa.py imports this module)
-
     dt = q.dtype  # each branch rounded to q's dtype, then combined in fp32, as in the whole op
-    o = _combine(gates.reshape(B * Tq, HQ, 3), o_cmp.to(dt), o_slc.to(dt), o_swa.to(dt), dt)
+    o = gate_combine_reference(gates.reshape(B * Tq, HQ, 3), o_cmp.to(dt), o_slc.to(dt), o_swa.to(dt), dt)
     return o.view(B, Tq, HQ, D)

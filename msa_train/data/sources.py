@@ -357,16 +357,16 @@ def _validated_records(files: list, cfg_dict: dict) -> Iterator[dict]:
             yield {**_empty_record(cfg.format), SOURCE_COL: loc, ERROR_COL: error}
 
 
-HUGE_RECORD_CHARS = 10_000_000  # about 2.5M tokens: a record past this gets a warning
+HUGE_TEXT_CHARS = 10_000_000  # about 2.5M tokens: a record past this gets a warning
 
 
 def _warn_if_huge(record: dict, loc: str) -> None:
-    """Warn about a record whose text is larger than :data:`HUGE_RECORD_CHARS`: it loads and trains
+    """Warn about a record whose text is larger than :data:`HUGE_TEXT_CHARS`: it loads and trains
     (tokenized in pieces of bounded memory, msa_train.data.tokenization), but slowly, and it is one
     document that packing splits over many sequences; often it is a file that was meant to be split
     (``data.text_sample_by=paragraph`` or ``line`` for text files)."""
     chars = sum(len(v) for v in record.values() if isinstance(v, str))
-    if chars > HUGE_RECORD_CHARS:
+    if chars > HUGE_TEXT_CHARS:
         logger.warning("data: %s: a record of %.1fM characters (about %.1fM tokens); it trains as one document "
                        "split over many sequences. If it holds many documents, split it (for text files: "
                        "data.text_sample_by=paragraph or line)", loc, chars / 1e6, chars / 4e6)

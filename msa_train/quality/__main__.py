@@ -31,6 +31,10 @@ def main(argv=None) -> int:
             s.add_argument("--budget-s", type=float, default=540.0,
                            help="wall-clock seconds for this invocation; rerun the same command to continue")
         s.add_argument("--tiny", action="store_true", help="tiny sizes: the CPU test of the whole pipeline")
+        if name in ("study-a", "all"):
+            s.add_argument("--mix-fraction", type=float, default=None,
+                           help="fraction of the training tokens that are synthetic retrieval documents (default "
+                                "0.03); read when the mix is first written, so give it to the first invocation")
         s.add_argument("--steps", type=int, default=None,
                        help="study A's optimizer steps (default: the recipe's); study B runs a tenth of them. "
                             "Give the same value to every invocation of one study")
@@ -50,6 +54,10 @@ def main(argv=None) -> int:
     plan = study.Plan.tiny(len(study._tokenizer(work))) if args.tiny else study.Plan.gpu()
     if args.steps:
         plan = plan.with_steps(args.steps)
+    if getattr(args, "mix_fraction", None) is not None:
+        if not 0 < args.mix_fraction < 1:
+            raise SystemExit(f"--mix-fraction {args.mix_fraction}: expected a fraction in (0, 1)")
+        plan.mix_fraction = args.mix_fraction
     if args.command == "report":
         study.report(work, out, plan)
         return 0

@@ -307,6 +307,8 @@ def _run_entry(run: Path) -> Dict[str, Any]:
                                       if k.startswith("eval_loss_pos_")},
             "retrieval": ev.get("retrieval") if ev else None,
             "retrieval_accuracy": ev.get("eval_retrieval_accuracy") if ev else None,
+            # teacher-forced loss per answer token: it tells models apart before exact matches appear
+            "retrieval_answer_loss": ev.get("eval_retrieval_loss") if ev else None,
             "retrieval_generate_agreement": ev.get("eval_retrieval_generate_agreement") if ev else None,
             "mean_tokens_per_s": (sum(r["tokens_per_s"] for r in curve[1:]) / (len(curve) - 1)) if len(curve) > 1 else None}
 

@@ -90,7 +90,7 @@ def test_long_texts_are_tokenized_in_pieces_with_the_ids_of_the_whole(monkeypatc
 def test_a_huge_record_is_named_in_a_warning(tmp_path, monkeypatch, caplog):
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "small"}\n{"text": "' + "word " * 400 + '"}\n')
-    monkeypatch.setattr(sources, "HUGE_RECORD_CHARS", 1000)
+    monkeypatch.setattr(sources, "HUGE_TEXT_CHARS", 1000)
     with caplog.at_level(logging.WARNING, logger="msa_train.data.sources"):
         ds, report = load_records(DataConfig(format="pretrain", path=str(path)))
     assert report.total == 2 and report.num_bad == 0

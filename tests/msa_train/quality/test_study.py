@@ -36,7 +36,11 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     shutil.copytree(corpus, work / "corpus")
     with monkeypatch.context() as m:
         m.setattr(Trainer, "train_step", slow_step)
-        assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--budget-s", "1"]) == 3  # a piece
+        assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--budget-s", "1",
+                     "--mix-fraction", "0.08"]) == 3  # a piece
+    assert json.loads((work / "data" / "mix.json").read_text())["mix_fraction"] == 0.08
+    with pytest.raises(SystemExit, match="--mix-fraction 2"):
+        main(["all", "--work", str(work), "--tiny", "--mix-fraction", "2"])
     state = json.loads((work / "state.json").read_text())
     assert not state["a_full"]["done"] and 1 <= state["a_full"]["step"] < 3
     assert json.loads((out / "summary.json").read_text())["from_scratch"]["full"]["done"] is False
@@ -49,7 +53,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     s = json.loads((out / "summary.json").read_text())
     for name in ("full", "fmsa"):
         e = s["from_scratch"][name]
-        assert e["done"] is True
+        assert e["done"] is True and e["retrieval_answer_loss"] > 0
         assert e["tokens"] == 3 * 256 and e["wall_s"] > 0 and e["final_eval_loss"] > 0
         assert set(e["retrieval"]) == {"passkey", "single_needle"} and set(e["retrieval"]["passkey"]) == {"384", "512"}
     assert s["from_scratch"]["dense_seed_spread"] is not None

@@ -82,8 +82,8 @@ MEMORY = ["parallel.activation_checkpointing=true", "parallel.offload_activation
 # each rank's shard of the positions)
 @pytest.mark.parametrize("procs, degree, stage, attention, extra",
                          [(4, 2, 3, "nsa", MEMORY), (4, 2, 2, "full", ["parallel.fused_ops=true"]),
-                          (4, 4, 2, "nsa", [])],
-                         ids=["dp2xsp2-zero3-nsa-memory", "dp2xsp2-zero2-full-fused", "sp4-zero2-nsa-kv-replicated"])
+                          (4, 4, 3, "nsa", [])],
+                         ids=["dp2xsp2-zero3-nsa-memory", "dp2xsp2-zero2-full-fused", "sp4-zero3-nsa-kv-replicated"])
 def test_sequence_parallel_training_matches(tmp_path, procs, degree, stage, attention, extra):
     common = [f"attention={attention}", f"train.steps={STEPS}", "train.seq_len=256", f"parallel.zero_stage={stage}",
               *FAST, "data.eval_fraction=0.125", "eval.max_sequences=6", "eval.passkey=3"]  # at the end, sharded

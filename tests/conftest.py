@@ -31,6 +31,23 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_zero_init_left_in_force():
+    """DeepSpeed's zero.Init patches module construction process-wide until its context exits. A test
+    that leaves it in force would make every later test of its worker partition (allocate) whatever it
+    builds (in CI a Qwen3-14B meta-device count got OOM-killed that way): name that test, and lift the
+    patches so the tests after it run as alone."""
+    yield
+    import sys
+
+    pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    if pp is None or getattr(pp, "top_level_context", None) is None:
+        return
+    pp.top_level_context.unpatch_init_and_builtins()
+    pp.top_level_context, pp.zero_init_context = None, 0
+    pytest.fail("this test left DeepSpeed's zero.Init in force (its patches were lifted afterwards)")
+
+
 @pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"

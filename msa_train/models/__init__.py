@@ -14,6 +14,7 @@ model keeps most of its behaviour at step 0.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Mapping, Optional, Union
 
@@ -146,7 +147,6 @@ def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: t
     added after it, whole, because their initialisation reads their own parameter shapes; the
     DeepSpeed engine partitions them when it is built.
     """
-    import contextlib
 
     from transformers import AutoConfig
 
@@ -181,6 +181,24 @@ class _AllOnMeta(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _outside_zero_init():
+    """Lift DeepSpeed's ``zero.Init`` patches for the block when they are in force: they partition
+    (and so allocate, on the host or the device) every parameter a module creates, whatever device
+    context is active. DeepSpeed's own engine build lifts them the same way (``shutdown_init_context``)."""
+    import sys
+
+    pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    active = pp is not None and getattr(pp, "top_level_context", None) is not None
+    if active:
+        pp.shutdown_init_context()
+    try:
+        yield
+    finally:
+        if active:
+            pp.restore_init_context()
+
+
 def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> tuple[int, int]:
     """Build the patched model on the meta device: validates the config and the patch and counts
     parameters without allocating any memory. (A mode of our own, :class:`_AllOnMeta`, not accelerate's
@@ -198,7 +216,7 @@ def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> 
     else:
         values = {k: v for k, v in model_cfg.hf_config.items() if k != "model_type"}
         config = AutoConfig.for_model(model_cfg.model_type, **values)
-    with _AllOnMeta():
+    with _outside_zero_init(), _AllOnMeta():
         model = family_of(config).causal_lm_cls(config)
         patch_model(model, attention_cfg)
     assert all(p.is_meta for p in model.parameters()), "the dry run allocated parameters"

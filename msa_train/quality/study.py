@@ -329,7 +329,7 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
     curves = {name: _train_curve(runs / f"a_{name}") for name in ("full", "fmsa", "full_seed1")}
 
     def label(name: str, run: str) -> str:  # a run the budget stopped says so in the plots' legends
-        st, curve = state.get(run, {}), curves.get(name) or b_curves.get(name)
+        st, curve = state.get(run, {}), curves[name]
         if st.get("done") or not curve:
             return name
         return f"{name} (unfinished: stopped at step {curve[-1]['step']})"

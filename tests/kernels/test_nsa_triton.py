@@ -172,14 +172,13 @@ def _check_against_reference(case, device, gate_values=(), batch=None):
 
 
 def test_fused_gate_combination(device):
-    from flash_msa.gates import gate_combine
-    from flash_msa.nsa import _combine
+    from flash_msa.gates import gate_combine, gate_combine_reference
     T, HQ, D = 37, 5, 32
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     outs = [torch.randn(T, HQ, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
     g = torch.rand(T, HQ, 3, device=device, requires_grad=True)
     o = gate_combine(g, *outs, dtype)
-    o_ref = _combine(g, *outs, dtype)
+    o_ref = gate_combine_reference(g, *outs, dtype)
     assert_close("o", o, o_ref, 1e-5 if device == "cpu" else 1e-2)
     do = torch.randn_like(o)
     for name, a, b in zip(("dgates", "do_cmp", "do_slc", "do_swa"), torch.autograd.grad(o, (g, *outs), do),

@@ -176,9 +176,15 @@ class _AllOnMeta(torch.overrides.TorchFunctionMode):
         from torch.utils._device import _device_constructors
 
         kwargs = dict(kwargs or {})
-        if func in _device_constructors():
-            kwargs["device"] = "meta"
-        return func(*args, **kwargs)
+        if func not in _device_constructors():
+            return func(*args, **kwargs)
+        kwargs["device"] = "meta"
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and not out.is_meta:  # at the first tensor, not after a whole model
+            raise RuntimeError(f"the meta-device dry run got a {out.device} tensor from {func.__name__}: something "
+                               "in this process moves construction off the meta device (an unexited DeepSpeed "
+                               "zero.Init, a patched torch function?)")
+        return out
 
 
 @contextlib.contextmanager

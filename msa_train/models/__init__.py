@@ -166,21 +166,25 @@ def build_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig, dtype: t
 
 class _AllOnMeta(torch.overrides.TorchFunctionMode):
     """Every tensor constructor makes a meta tensor, also one given a device. ``torch.device("meta")``
-    only fills in a missing device and sits below every other mode, so what the process set up
-    before can win over it: in CI, a pytest worker that had run ZeRO-3 and CPU trainings in-process
-    built the planner's 14B-parameter model on the host inside ``torch.device("meta")`` (the worker
-    was OOM-killed; under ``ulimit -v`` the MemoryError showed a CPU DeviceContext filling in the
-    device). A dry run must not depend on what ran before it."""
+    only fills in a missing device and sits below every other mode, so state a process set up before
+    can win over it: in CI a pytest worker built the planner's 14B-parameter model on the host inside
+    ``torch.device("meta")`` after earlier in-process tests (OOM-killed; under ``ulimit -v`` the
+    MemoryError showed a CPU DeviceContext filling in the device). A dry run must not depend on what
+    ran before it, and fails at the first tensor that is not meta rather than after a whole model."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __init__(self):
+        super().__init__()
         from torch.utils._device import _device_constructors
 
+        self.constructors = _device_constructors()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func not in _device_constructors():
+        if func not in self.constructors:
             return func(*args, **kwargs)
         kwargs["device"] = "meta"
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and not out.is_meta:  # at the first tensor, not after a whole model
+        if isinstance(out, torch.Tensor) and not out.is_meta:
             raise RuntimeError(f"the meta-device dry run got a {out.device} tensor from {func.__name__}: something "
                                "in this process moves construction off the meta device (an unexited DeepSpeed "
                                "zero.Init, a patched torch function?)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     if getattr(args, "mix_fraction", None) is not None:
         if not 0 < args.mix_fraction < 1:
             raise SystemExit(f"--mix-fraction {args.mix_fraction}: expected a fraction in (0, 1)")
-        plan.mix_fraction = args.mix_fraction
+        plan = dataclasses.replace(plan, mix_fraction=args.mix_fraction)
     if args.command == "report":
         study.report(work, out, plan)
         return 0

@@ -52,7 +52,7 @@ for stage in $stages; do
           --steps "${PHASE_STEPS:-2}" --warmup 1 --timeout "$left" --out "$OUT/phases_llama3_8b_4layers_h200_$name" \
           -- model.hf_config.num_hidden_layers=4 train.phase_times=true $overrides < /dev/null 2>&1 | grep -v "^$" | tail -12
       done < <(echo $sets | sed -E 's/ ([a-z0-9_]+:[a-z,]+:)/\n\1/g') 2>&1 | tee "$OUT/phases.log" ;;
-    fusedops)  # parallel.fused_ops's RMSNorm and RoPE kernels against HF's code, checked and timed side by side
+    fusedops)  # our RMSNorm, RoPE, SiLU*up and fused linear CE against HF and liger-kernel, checked and timed side by side
       timeout "${FUSED_TIMEOUT:-240}" python3 scripts/bench_fused_ops.py --out "$OUT" 2>&1 | grep -v '^{' | tail -30 | tee "$OUT/fused_ops.log" ;;
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)
       timeout 300 python3 scripts/bench_nsa.py --out "$OUT" --Ts 8192,32768,65536,131072,262144,524288 \

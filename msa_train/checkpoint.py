@@ -208,9 +208,13 @@ def swap_in(new: Optional[Path], final: Path) -> None:
 class CheckpointManager:
     """Saves and restores the engine, RNG and data state; keeps the newest ``keep`` checkpoints."""
 
-    def __init__(self, root: Path, rank: int, keep: int = 2, local_rank: Optional[int] = None, group=None):
-        """``group``: a process group for host-side messages (gloo; None: the default group, then gloo too)."""
+    def __init__(self, root: Path, rank: int, keep: int = 2, local_rank: Optional[int] = None, group=None,
+                 trainable_only: bool = False):
+        """``group``: a process group for host-side messages (gloo; None: the default group, then gloo too).
+        ``trainable_only`` (LoRA): the weights saved are the trainable ones only; frozen ones are
+        expected to be in the model already when a checkpoint is loaded (built from model.path)."""
         self.root, self.rank, self.keep, self.group = Path(root), rank, keep, group
+        self.trainable_only = trainable_only
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
         self.world = dist.get_world_size() if dist.is_initialized() else 1
 
@@ -234,7 +238,7 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         _barrier()
-        engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+        engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=self.trainable_only)
         torch.save({"rng": rng_state(), **rank_state}, tmp / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
@@ -415,7 +419,8 @@ class CheckpointManager:
         try:
             load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG,
                                                   load_optimizer_states=zero3 or not weights_only,
-                                                  load_lr_scheduler_states=not weights_only)
+                                                  load_lr_scheduler_states=not weights_only,
+                                                  load_module_strict=not self.trainable_only)
         except CheckpointError:
             raise
         except (RuntimeError, AssertionError, KeyError, OSError, ValueError) as e:

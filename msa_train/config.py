@@ -26,6 +26,8 @@ OBJECTIVES = ("lm", "dpo")
 LOSS_IMPLS = ("fused", "recompute")  # msa_train/loss.py
 NONFINITE_POLICIES = ("stop", "skip")
 NSA_INITS = ("default", "distill")      # msa_train/models/distill.py
+LORA_NSA = ("train", "lora", "freeze")  # msa_train/models/lora.py
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
@@ -76,6 +78,36 @@ def _finite(key: str, value: Any) -> None:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA through peft (msa_train/models/lora.py, docs/trainer.md): ``r`` > 0 turns it on; the
+    pretrained weights are then frozen and low-rank adapters of rank ``r`` train beside them."""
+    r: int = 0                           # 0: off (full fine-tuning)
+    alpha: float = 16.0                  # the adapters' output is scaled by alpha / r
+    dropout: float = 0.0
+    # module names (the last part: q_proj, ...) that get adapters; the LM head and embeddings never do
+    target_modules: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # NSA's own parameters (compression phi, gate projection), new to a dense checkpoint: "train" them
+    # fully (default), put the gate projection under "lora" too (phi trains fully: it has no pretrained
+    # value to stay near), or "freeze" them (only for a model already trained with NSA)
+    nsa: str = "train"
+
+    def __post_init__(self):
+        _at_least("model.lora.r", self.r, 0, "an integer >= 0 (0 turns LoRA off)")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ValueError(f"model.lora.alpha={self.alpha!r} is not allowed; expected a positive number")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout={self.dropout!r} is not allowed; expected a value in [0, 1)")
+        _choice("model.lora.nsa", self.nsa, LORA_NSA)
+        if self.r > 0 and not self.target_modules:
+            raise ValueError("model.lora.target_modules is empty; name the linear layers that get adapters, "
+                             f"for example [{', '.join(LORA_TARGETS)}]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclass
 class ModelConfig:
     """The HF model. Either ``path`` (a local HF checkpoint dir) or ``hf_config`` (config values)."""
     name: str = "tiny_llama"
@@ -87,6 +119,7 @@ class ModelConfig:
     nsa_init: str = "default"
     nsa_distill_steps: int = 50
     nsa_distill_lr: float = 1.0e-3
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         _choice("model.model_type", self.model_type, MODEL_TYPES)
@@ -367,7 +400,7 @@ def did_you_mean(key: str) -> str:
 
 
 # the annotations of RootConfig as strings (``from __future__ import annotations``)
-_FIELD_TYPES = {"ModelConfig": ModelConfig, "AttentionConfig": AttentionConfig, "ParallelConfig": ParallelConfig,
+_FIELD_TYPES = {"ModelConfig": ModelConfig, "LoraConfig": LoraConfig, "AttentionConfig": AttentionConfig, "ParallelConfig": ParallelConfig,
                 "TrainConfig": TrainConfig, "LoggerConfig": LoggerConfig, "EvalConfig": EvalConfig}
 
 

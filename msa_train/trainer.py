@@ -329,6 +329,15 @@ class Trainer:
             attach(self.model, self.sp)
         if cfg.model.nsa_init == "distill" and not cfg.eval.only:
             self._distill_nsa()
+        if cfg.model.lora.enabled:  # after the distillation, which fits NSA's parameters of the base model
+            from msa_train.models.lora import apply_lora
+
+            self.n_trainable, _ = apply_lora(self.model, cfg.model.lora, dtype)
+            if self.dist.is_main:
+                lc = cfg.model.lora
+                log.info("LoRA r=%d alpha=%g on %s (NSA's parameters: %s): %s of %s parameters train", lc.r, lc.alpha,
+                         ",".join(lc.target_modules), lc.nsa, format_count(self.n_trainable),
+                         format_count(self.n_params + self.n_trainable))
         if len(self.tokenizer) > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
                              f"{self.model.config.vocab_size}: set model.hf_config.vocab_size >= {len(self.tokenizer)}")
@@ -389,7 +398,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.dist.rank, cfg.train.keep_checkpoints,
-                                      local_rank=self.dist.local_rank, group=self._control)
+                                      local_rank=self.dist.local_rank, group=self._control,
+                                      trainable_only=cfg.model.lora.enabled)
         self._restored_for_nonfinite: Optional[Path] = None  # train.on_nonfinite=skip's last restore
         path = self.ckpt.resolve(cfg.train.resume)
         self.resumed_from = None
@@ -1032,6 +1042,10 @@ class Trainer:
             state = {k[len("lm."):]: v for k, v in (state or {}).items()}
         else:
             state = None
+        if self.cfg.model.lora.enabled and self.dist.is_main:  # the adapters merged in: a plain HF export
+            from msa_train.models.lora import merged_state_dict
+
+            state = merged_state_dict(self.model.state_dict() if state is None else state, self.cfg.model.lora)
         if self.dist.is_main:
             # written beside, then swapped in (as the checkpoints): a kill mid-write leaves the
             # previous hf/ (or none), never a half-written one

@@ -16,7 +16,7 @@ WHEELS=(
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
   wandb==0.31.0 opentelemetry-api==1.45.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   sentry-sdk==2.75.0 gitpython==3.2.1 gitdb==4.0.12 smmap==5.0.3 platformdirs==4.14.8
-  hjson==3.1.0 fla-core==0.6.0 liger-kernel==0.8.5
+  hjson==3.1.0 fla-core==0.6.0 liger-kernel==0.8.5 peft==0.21.2
   pytest-xdist==3.8.0 execnet==2.1.2
 )
 python3 -m pip download -q "${PY[@]}" "${WHEELS[@]}"

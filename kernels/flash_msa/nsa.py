@@ -14,7 +14,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flash_msa import reference
 from flash_msa.compression.interface import TRITON_BRANCHES
@@ -259,7 +258,7 @@ class NativeSparseAttention(nn.Module):
             raise ValueError(f"hidden_states must have shape [B, T, hidden={hidden}] with B, T of q "
                              f"{tuple(q.shape[:2])}, got {tuple(hidden_states.shape)}")
         B, T = q.shape[:2]
-        logits = F.linear(hidden_states, self.gate.weight, self.gate.bias)  # [B, T, 3*HQ]
+        logits = self.gate(hidden_states)  # [B, T, 3*HQ]; called as a module, so an adapter on it (LoRA) applies
         return torch.sigmoid(logits.float()).view(B, T, 3, self.num_heads).transpose(-1, -2)  # [B, T, HQ, 3]
 
     def decode(self, hidden_states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -209,16 +209,8 @@ def _outside_zero_init():
             pp.restore_init_context()
 
 
-def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> tuple[int, int]:
-    """Build the patched model on the meta device: validates the config and the patch and counts
-    parameters without allocating any memory. (A mode of our own, :class:`_AllOnMeta`, not accelerate's
-    ``init_empty_weights``, which re-creates each parameter and so unties tied embeddings.)
-
-    Returns:
-        (total parameters including NSA, tied ones once; the matmul parameters of the
-        dense-equivalent model: every weight a token's forward multiplies by, the LM head
-        included (tied or not), the input-embedding lookup and NSA's own parameters left out)
-    """
+def meta_model(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> nn.Module:
+    """The patched model on the meta device (no memory): the dry run of :func:`count_parameters`."""
     from transformers import AutoConfig
 
     if model_cfg.path is not None:
@@ -230,6 +222,20 @@ def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> 
         model = family_of(config).causal_lm_cls(config)
         patch_model(model, attention_cfg)
     assert all(p.is_meta for p in model.parameters()), "the dry run allocated parameters"
+    return model
+
+
+def count_parameters(model_cfg: ModelConfig, attention_cfg: AttentionConfig) -> tuple[int, int]:
+    """Build the patched model on the meta device: validates the config and the patch and counts
+    parameters without allocating any memory. (A mode of our own, :class:`_AllOnMeta`, not accelerate's
+    ``init_empty_weights``, which re-creates each parameter and so unties tied embeddings.)
+
+    Returns:
+        (total parameters including NSA, tied ones once; the matmul parameters of the
+        dense-equivalent model: every weight a token's forward multiplies by, the LM head
+        included (tied or not), the input-embedding lookup and NSA's own parameters left out)
+    """
+    model = meta_model(model_cfg, attention_cfg)
     embedding = model.get_input_embeddings().weight
     matmul = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False)
                  if not (p is embedding and "lm_head" not in name) and ".nsa." not in name)

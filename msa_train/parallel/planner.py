@@ -14,7 +14,8 @@ What is counted, per GPU (bytes; ``N`` = ZeRO ranks = the world size, ``P`` = pa
   shards the 12P + 4P; ZeRO-2 the gradients too; ZeRO-3 the parameters too (plus one layer
   gathered at a time). ``offload_optimizer`` moves the 12P + 4P shard to host memory (pinned),
   ``offload_params`` the parameter shard. fp32 training (the CPU default): 4P parameters, 4P
-  gradients, 8P moments, no master copy.
+  gradients, 8P moments, no master copy. With LoRA (``model.lora.r > 0``) gradients and optimizer
+  state are those of the trainable parameters only: the adapters, and NSA's own by ``model.lora.nsa``.
 * **Activations** (per-token constants of ``parallel/memory.py``, counted with saved-tensor hooks
   on a Llama-3-8B-shape layer and written here as functions of the shape): what every layer keeps
   (its input only under activation checkpointing, on the host with ``offload_activations``) plus
@@ -62,6 +63,7 @@ class ModelShape:
     head_dim: int
     vocab: int
     qk_norm: bool = False  # Qwen3: RMSNorms over every q and k head
+    trainable: Optional[int] = None  # LoRA: the parameters that train (gradients, optimizer state); None: all
 
     @classmethod
     def from_config(cls, model_cfg, attention_cfg) -> "ModelShape":
@@ -77,9 +79,16 @@ class ModelShape:
                                           **{k: v for k, v in model_cfg.hf_config.items() if k != "model_type"})
         heads, kv_heads, head_dim = _head_dims(config)
         params, _ = count_parameters(model_cfg, attention_cfg)
+        trainable = None
+        if model_cfg.lora.enabled:
+            from msa_train.models import meta_model
+            from msa_train.models.lora import count_trainable
+
+            trainable, adapters = count_trainable(meta_model(model_cfg, attention_cfg), model_cfg.lora)
+            params += adapters  # new parameters beside the frozen ones
         return cls(params=params, hidden=config.hidden_size, intermediate=config.intermediate_size,
                    layers=config.num_hidden_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   vocab=config.vocab_size, qk_norm=config.model_type == "qwen3")
+                   vocab=config.vocab_size, qk_norm=config.model_type == "qwen3", trainable=trainable)
 
 
 @dataclass(frozen=True)
@@ -164,19 +173,22 @@ def rank_heads(heads: int, kv_heads: int, sp_degree: int) -> Tuple[int, int]:
 
 
 # ----------------------------------------------------------------------- model state
-def model_state_bytes(params: int, opt: Options, world_size: int, bf16: bool = True) -> Dict[str, float]:
+def model_state_bytes(params: int, opt: Options, world_size: int, bf16: bool = True,
+                      trainable: Optional[int] = None) -> Dict[str, float]:
     """Bytes per rank of parameters, gradients, optimizer state and the step's fp32 gradients, and
-    of what is offloaded to the host (``host_*``)."""
+    of what is offloaded to the host (``host_*``). ``trainable`` (LoRA): the parameters that have
+    gradients and optimizer state; None: all ``params``."""
     n = max(1, world_size)
+    t = params if trainable is None else trainable
     if not bf16:  # fp32 weights, torch AdamW moments, no master copy
         p_b, g_b, opt_b, step_b = 4, 4, 8, 0
     else:
         p_b, g_b, opt_b, step_b = 2, 2, 12, 4
     z = opt.zero_stage
     out = {"parameters": p_b * params / (n if z == 3 else 1),
-           "gradients": g_b * params / (n if z >= 2 else 1),
-           "optimizer_state": opt_b * params / (n if z >= 1 else 1),
-           "step_fp32_gradients": step_b * params / (n if z >= 1 else 1),
+           "gradients": g_b * t / (n if z >= 2 else 1),
+           "optimizer_state": opt_b * t / (n if z >= 1 else 1),
+           "step_fp32_gradients": step_b * t / (n if z >= 1 else 1),
            "host_parameters": 0.0, "host_optimizer": 0.0}
     if opt.offload_optimizer and z >= 1:
         out["host_optimizer"] = out["optimizer_state"] + out["step_fp32_gradients"]
@@ -281,7 +293,7 @@ def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[st
     # one chunk of fp32 logits (its softmax turned into its gradient in place) and the hidden states'
     # gradient, kept in the model's dtype from the forward to the backward
     loss = 4 * chunk * shape.vocab + a * H * t_local
-    if work.loss_impl == "fused":
+    if work.loss_impl == "fused" and shape.trainable is None:  # (LoRA freezes the head: no weight gradient)
         loss += a * shape.vocab * H  # the head's weight gradient, held from the forward to the backward
     out["loss"] = loss
     return out
@@ -291,7 +303,7 @@ def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[st
 def predict(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H200_GB,
             host_limit_gb: Optional[float] = None) -> Plan:
     """The per-GPU peak of one configuration (no ladder; see :func:`plan`)."""
-    state = model_state_bytes(shape.params, opt, work.world_size, work.bf16)
+    state = model_state_bytes(shape.params, opt, work.world_size, work.bf16, shape.trainable)
     act = activation_bytes(shape, opt, work)
     gathered = 0.0
     if opt.zero_stage == 3:  # one layer's parameters gathered whole (bf16) while it runs, and its gradients

@@ -6,7 +6,7 @@
 # The maintainers copy a stage's files to benchmarks/results/<benchmark>/latest.* (docs/performance.md
 # lists which stage writes which benchmark). (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
 # longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
-# phases reads PHASE_LEN, PHASE_SETS, PHASE_STEPS and PHASE_TIMEOUT;
+# phases reads PHASE_LEN, PHASE_SETS, PHASE_STEPS and PHASE_TIMEOUT; fusedops reads FUSED_TS, FUSED_MODELS and FUSED_TIMEOUT;
 # on two GPUs: LONG_NPROC=2 LONG_LENS=2097152 LONG_OPTS="parallel.sp_degree=2 parallel.offload_activations=true ...")
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, the carried wheels, PYTHONPATH
@@ -53,7 +53,8 @@ for stage in $stages; do
           -- model.hf_config.num_hidden_layers=4 train.phase_times=true $overrides < /dev/null 2>&1 | grep -v "^$" | tail -12
       done < <(echo $sets | sed -E 's/ ([a-z0-9_]+:[a-z,]+:)/\n\1/g') 2>&1 | tee "$OUT/phases.log" ;;
     fusedops)  # our RMSNorm, RoPE, SiLU*up and fused linear CE against HF and liger-kernel, checked and timed side by side
-      timeout "${FUSED_TIMEOUT:-240}" python3 scripts/bench_fused_ops.py --out "$OUT" 2>&1 | grep -v '^{' | tail -30 | tee "$OUT/fused_ops.log" ;;
+      timeout "${FUSED_TIMEOUT:-240}" python3 scripts/bench_fused_ops.py --out "$OUT" --Ts "${FUSED_TS:-65536,262144}" \
+        --models "${FUSED_MODELS:-llama3_8b,qwen3_14b}" 2>&1 | grep -v '^{' | tail -30 | tee "$OUT/fused_ops.log" ;;
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)
       timeout 300 python3 scripts/bench_nsa.py --out "$OUT" --Ts 8192,32768,65536,131072,262144,524288 \
         --models llama3_8b,qwen3_14b --qwen-Ts 65536,262144 \

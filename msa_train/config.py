@@ -22,7 +22,8 @@ BACKENDS = ("auto", "nccl", "gloo")
 LOGGERS = ("none", "wandb")
 OPTIMIZERS = ("torch", "deepspeed")
 WANDB_MODES = ("offline", "online", "disabled")
-OBJECTIVES = ("lm", "dpo")
+OBJECTIVES = ("lm", "dpo", "simpo", "orpo")  # the last three train on preference pairs (msa_train/preference.py)
+PAIR_OBJECTIVES = ("dpo", "simpo", "orpo")
 LOSS_IMPLS = ("fused", "recompute")  # msa_train/loss.py
 NONFINITE_POLICIES = ("stop", "skip")
 NSA_INITS = ("default", "distill")      # msa_train/models/distill.py
@@ -226,8 +227,11 @@ class TrainConfig:
     progress: bool = True                # rich progress bar on rank 0
     phase_times: bool = False            # records get forward_s / backward_s / step_s (3 host syncs per micro step)
     profile_step: int = 0                # > 0: torch.profiler over that optimizer step -> profile_step<N>.{json,md}
-    objective: str = "lm"                # lm (next-token loss: pretraining, SFT) | dpo (preference pairs)
+    objective: str = "lm"                # lm (next-token loss: pretraining, SFT) | dpo | simpo | orpo (preference pairs)
     dpo_beta: float = 0.1                # DPO's beta: scale of the implicit reward
+    simpo_beta: float = 2.0              # SimPO's beta: scale of the length-normalised reward
+    simpo_gamma: float = 1.0             # SimPO's target reward margin
+    orpo_lambda: float = 0.1             # ORPO's weight of the odds-ratio term beside the chosen response's SFT loss
     deterministic: bool = False          # NSA's compressed attention on the bitwise deterministic Triton kernels, not cuDNN
     # memory planner (msa_train/parallel/planner.py): plan=true prints the predicted per-GPU peak and exits
     plan: bool = False
@@ -240,7 +244,8 @@ class TrainConfig:
             _at_least(f"train.{key}", getattr(self, key), 1, "an integer >= 1")
         for key in ("warmup_steps", "save_every", "keep_checkpoints", "profile_step", "plan_world_size"):
             _at_least(f"train.{key}", getattr(self, key), 0, "an integer >= 0")
-        for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "dpo_beta"):
+        for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "dpo_beta", "simpo_beta", "simpo_gamma",
+                    "orpo_lambda"):
             _finite(f"train.{key}", getattr(self, key))
         for i, b in enumerate(self.betas):
             _finite(f"train.betas[{i}]", b)
@@ -258,8 +263,10 @@ class TrainConfig:
         _choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         if self.plan_gpu_gb is not None and not self.plan_gpu_gb > 0:
             raise ValueError(f"train.plan_gpu_gb={self.plan_gpu_gb!r} is not allowed; expected a positive number of GiB")
-        if not self.dpo_beta > 0:
-            raise ValueError(f"train.dpo_beta={self.dpo_beta!r} is not allowed; expected a positive float")
+        for key in ("dpo_beta", "simpo_beta", "orpo_lambda"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"train.{key}={getattr(self, key)!r} is not allowed; expected a positive float")
+        _at_least("train.simpo_gamma", self.simpo_gamma, 0.0, "a float >= 0")
         _choice("train.device", self.device, DEVICES)
         if self.resume not in ("none", "auto") and not self.resume:
             raise ValueError("train.resume must be none, auto or a checkpoint directory")
@@ -340,11 +347,11 @@ class RootConfig:
         heads = self.model.hf_config.get("num_attention_heads") if self.model.path is None else None
         if self.parallel.sp_degree > 1 and heads is not None:  # a model.path's heads: checked by the trainer
             head_layout(heads, self.model.hf_config.get("num_key_value_heads") or heads, self.parallel.sp_degree)
-        dpo, pairs = self.train.objective == "dpo", getattr(self.data, "format", None) == "preference"
-        if dpo != pairs:
-            raise ValueError("train.objective=dpo and data.format=preference go together: DPO trains on preference "
-                             f"pairs, and pairs train with DPO (got train.objective={self.train.objective!r}, "
-                             f"data.format={getattr(self.data, 'format', None)!r})")
+        on_pairs, pairs = self.train.objective in PAIR_OBJECTIVES, getattr(self.data, "format", None) == "preference"
+        if on_pairs != pairs:
+            raise ValueError(f"train.objective={'|'.join(PAIR_OBJECTIVES)} and data.format=preference go together: "
+                             "they train on preference pairs, and pairs train with one of them (got train.objective="
+                             f"{self.train.objective!r}, data.format={getattr(self.data, 'format', None)!r})")
         ev, has_data = self.eval, self.data.has_eval or self.eval.passkey > 0
         if ev.retrieval and not self.data.has_eval:
             raise ValueError("eval.retrieval needs held-out documents for its haystack: set data.eval_path (files) "

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from msa_train.checkpoint import CheckpointManager, find_latest, safe_load, swap_in
-from msa_train.config import RootConfig
+from msa_train.config import PAIR_OBJECTIVES, RootConfig
 from msa_train.loss import IGNORE_INDEX
 from msa_train.metrics import (MetricsLogger, PhaseTimer, log_on_rank_zero_only, model_flops_per_token,
                                peak_memory_gb, peak_tflops)
@@ -71,7 +71,21 @@ def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
 # train.* settings that change the loss curve; the others (steps, output, logging, checkpoint
 # cadence) may change between a run and its resume.
 RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "warmup_steps", "weight_decay",
-                     "grad_clip", "seed", "precision", "loss_chunk_tokens", "loss_impl", "objective", "dpo_beta")
+                     "grad_clip", "seed", "precision", "loss_chunk_tokens", "loss_impl", "objective", "dpo_beta",
+                     "simpo_beta", "simpo_gamma", "orpo_lambda")
+
+
+def _later_settings() -> Dict[str, Any]:
+    """Settings added after checkpoints were first written, with the value those runs had."""
+    from msa_train.config import LoraConfig, TrainConfig
+
+    lora = json.loads(json.dumps(dataclasses.asdict(LoraConfig())))
+    train = TrainConfig()
+    return {**{f"model.lora.{k}": v for k, v in lora.items()},
+            **{f"train.{k}": getattr(train, k) for k in ("simpo_beta", "simpo_gamma", "orpo_lambda")}}
+
+
+_LATER_SETTINGS = _later_settings()
 
 
 def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> None:
@@ -101,6 +115,10 @@ def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) ->
         a["train.loss_impl"] = "recompute"  # checkpoints from before the setting: the only form then
     if saved and "data.long_prompt" not in a and a.get("data.format") != "sft":
         a["data.long_prompt"] = b.get("data.long_prompt")  # SFT only: no effect on the other formats' data
+    if saved:  # checkpoints from before LoRA and the reference-free objectives: they ran with the defaults
+        for k, default in _LATER_SETTINGS.items():
+            if k not in a and b.get(k) == default:
+                a[k] = default
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if saved and changed:
         shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:6])
@@ -116,7 +134,11 @@ def check_eval_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> N
         attention["sparse"] = rc.get("attention", {}).get("name") != "full"  # NSA's parameters or none
         # ZeRO-3 partitions the weights by rank; DPO's reference is stored per rank
         per_rank = rc.get("zero_stage") == 3 or rc.get("train", {}).get("objective") == "dpo"
-        return {"model": rc.get("model"), "attention": attention, "zero_stage": rc.get("zero_stage"),
+        model = rc.get("model")
+        if isinstance(model, dict) and "lora" not in model:  # written before LoRA: without it
+            model = {**model, "lora": {k[len("model.lora."):]: v for k, v in _LATER_SETTINGS.items()
+                                       if k.startswith("model.lora.")}}
+        return {"model": model, "attention": attention, "zero_stage": rc.get("zero_stage"),
                 "world_size": rc.get("world_size") if per_rank else None}
     a, b = fits(saved), fits(current)
     changed = [k for k in a if a[k] != b[k]]
@@ -160,7 +182,8 @@ class Trainer:
 
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
-        self.dpo = cfg.train.objective == "dpo"
+        self.dpo = cfg.train.objective == "dpo"  # pairs with a reference (taken at the start)
+        self.pairs = cfg.train.objective in PAIR_OBJECTIVES
         # seconds each build step took (summary.json's "startup_s"): on a GPU a benchmark point's
         # startup can take longer than its steps, and this says which step to look at
         self.startup_s: Dict[str, float] = {}
@@ -468,12 +491,15 @@ class Trainer:
     def _batch_of(self, index: int, dataset=None) -> Dict[str, Any]:
         """Micro-batch of item ``index`` of ``dataset`` (the training data by default) on the host."""
         item = (self.dataset if dataset is None else dataset)[index]
-        if not self.dpo:
+        if not self.pairs:
             return self._make_batch(item)
         # segment 0 is prompt + chosen, 1 prompt + rejected, 2 the padding (packing.py)
         cu = item["cu_seqlens"]
         seg = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long()).clamp_max(2)
-        return {**self._make_batch(item, seg, 3), "index": index}
+        # the responses' label tokens (SimPO and ORPO normalise by them), of the whole pair before any SP split
+        labelled = next_token_targets(item["labels"], cu) != -100
+        tokens = torch.stack([(labelled & (seg == s)).sum() for s in (0, 1)]).float()
+        return {**self._make_batch(item, seg, 3), "index": index, "response_tokens": tokens}
 
     def _make_batch(self, item: Dict[str, Any], segments: Optional[torch.Tensor] = None,
                     num_segments: int = 0) -> Dict[str, Any]:
@@ -503,7 +529,7 @@ class Trainer:
         """The engine's forward on micro-batch m (its host-only entries left out): the summed token
         loss, or with DPO's segments the loss per segment."""
         return self.engine(**{k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items()
-                              if k not in ("mean_context", "num_tokens", "index")}, **kwargs)
+                              if k not in ("mean_context", "num_tokens", "index", "response_tokens")}, **kwargs)
 
     def _pair_logps(self, m: Dict[str, Any]) -> torch.Tensor:
         """Log-probabilities [2] of a pair's chosen and rejected sequences (segments 0 and 1 of micro-batch
@@ -539,7 +565,7 @@ class Trainer:
         self.module.eval()
         with torch.no_grad(), trusted_inputs():
             if self.eval_dataset is not None:
-                record.update(self._eval_pairs() if self.dpo else self._eval_lm())
+                record.update(self._eval_pairs() if self.pairs else self._eval_lm())
             if self.passkey_probes:
                 record.update(self._eval_passkey())
             if self.retrieval_probes:
@@ -632,32 +658,45 @@ class Trainer:
         return {"eval_retrieval_generate_probes": len(picks), "eval_retrieval_generate_accuracy": hits / len(picks),
                 "eval_retrieval_generate_agreement": agree / len(picks)}
 
+    def _pair_loss(self, logps: torch.Tensor, tokens: torch.Tensor, ref: Optional[torch.Tensor]):
+        from msa_train.preference import pair_loss
+
+        t = self.cfg.train
+        beta = t.dpo_beta if t.objective == "dpo" else t.simpo_beta
+        return pair_loss(t.objective, logps, tokens, ref, beta=beta, simpo_gamma=t.simpo_gamma,
+                         orpo_lambda=t.orpo_lambda)
+
     def _eval_pairs(self) -> Dict[str, Any]:
-        """DPO on held-out pairs against the reference log-probabilities taken at the run's start."""
+        """The preference objective on held-out pairs; DPO's against the reference log-probabilities
+        taken at the run's start."""
         n = self._eval_count()
-        reference = self._reference.get("eval", {})
         shard = self._eval_shard(n)
-        missing = torch.tensor(float(sum(counted and index not in reference for index, counted in shard)),
-                               device=self.device)
-        dist.all_reduce(missing)  # every rank raises, or none
-        if missing.item():
-            raise ValueError(f"DPO evaluation: {int(missing.item())} held-out pairs have no reference log-probabilities: "
-                             "the reference is taken when a run starts, for the evaluation data, eval.max_sequences "
-                             "and number of processes it started with")
+        reference = self._reference.get("eval", {}) if self.dpo else {}
+        if self.dpo:
+            missing = torch.tensor(float(sum(counted and index not in reference for index, counted in shard)),
+                                   device=self.device)
+            dist.all_reduce(missing)  # every rank raises, or none
+            if missing.item():
+                raise ValueError(f"DPO evaluation: {int(missing.item())} held-out pairs have no reference "
+                                 "log-probabilities: the reference is taken when a run starts, for the evaluation "
+                                 "data, eval.max_sequences and number of processes it started with")
         logps = torch.zeros(n, 2, device=self.device)
         ref = torch.zeros(n, 2)
+        tokens = torch.zeros(n, 2)
         first_of_group = self.sp is None or self.sp.rank == 0  # an SP group's ranks hold the same sums
         for index, counted in shard:
-            out = self._pair_logps(self._batch_of(index, self.eval_dataset))
+            m = self._batch_of(index, self.eval_dataset)
+            out = self._pair_logps(m)
             if counted and first_of_group:
                 logps[index] = out
-                ref[index] = torch.tensor(reference[index])
-        ref = self._to_device(ref)
-        for t in (logps, ref):
+                tokens[index] = m["response_tokens"]
+                if self.dpo:
+                    ref[index] = torch.tensor(reference[index])
+        ref, tokens = self._to_device(ref), self._to_device(tokens)
+        for t in (logps, ref, tokens):
             dist.all_reduce(t)
-        margin = self.cfg.train.dpo_beta * ((logps[:, 0] - ref[:, 0]) - (logps[:, 1] - ref[:, 1]))
-        return {"eval_loss": (-torch.nn.functional.logsigmoid(margin)).mean().item(),
-                "eval_reward_accuracy": (margin > 0).float().mean().item(),
+        loss, margin = self._pair_loss(logps, tokens, ref if self.dpo else None)
+        return {"eval_loss": loss.mean().item(), "eval_reward_accuracy": (margin > 0).float().mean().item(),
                 "eval_reward_margin": margin.mean().item(), "eval_pairs": n}
 
     # ------------------------------------------------------------------ step
@@ -667,8 +706,8 @@ class Trainer:
         lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step's update uses
         # 1. batch: all micro-batches of this step, on the host.
         micro = [self._next_batch() for _ in range(gas)]
-        if self.dpo:
-            return self._dpo_step(micro, lr)
+        if self.pairs:
+            return self._pair_step(micro, lr)
         # Token-weighted loss: divide by the label tokens of the whole global batch. Counted on the
         # host, summed across ranks on the device (a collective, not a host sync).
         n_local = sum(int((m["targets"] != IGNORE_INDEX).sum()) for m in micro)
@@ -762,20 +801,21 @@ class Trainer:
         os.replace(tmp, path)
         self._reference = reference
 
-    def _dpo_step(self, micro: List[Dict[str, Any]], lr: float) -> Dict[str, Any]:
-        """One optimizer step of DPO: loss -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) per
-        pair, the mean over the global batch's pairs (DeepSpeed averages over ranks and micro steps)."""
-        beta = self.cfg.train.dpo_beta
+    def _pair_step(self, micro: List[Dict[str, Any]], lr: float) -> Dict[str, Any]:
+        """One optimizer step of the preference objective (msa_train/preference.py): its loss per pair,
+        the mean over the global batch's pairs (DeepSpeed averages over ranks and micro steps)."""
 
         def loss_of(m):
-            if m["index"] not in self._reference:
-                raise ValueError(f"DPO: no reference log-probabilities for pair {m['index']}: this run's reference "
-                                 f"covers the pairs of its first train.steps={self.cfg.train.steps} steps as set "
-                                 "when it started; extend a DPO run by starting a new one from its hf/ export")
-            ref = self._to_device(torch.tensor(self._reference[m["index"]]))
+            ref = None
+            if self.dpo:
+                if m["index"] not in self._reference:
+                    raise ValueError(f"DPO: no reference log-probabilities for pair {m['index']}: this run's "
+                                     f"reference covers the pairs of its first train.steps={self.cfg.train.steps} "
+                                     "steps as set when it started; extend a DPO run by starting a new one from its "
+                                     "hf/ export")
+                ref = self._to_device(torch.tensor(self._reference[m["index"]]))
             logps = self._pair_logps(m)  # chosen, rejected: the engine returns per-segment losses
-            margin = beta * ((logps[0] - ref[0]) - (logps[1] - ref[1]))
-            loss = -torch.nn.functional.logsigmoid(margin)
+            loss, margin = self._pair_loss(logps, self._to_device(m["response_tokens"]), ref)
             return loss, torch.stack([loss, (margin > 0).float(), margin]).detach()  # loss, reward accuracy, margin
 
         sums, grad_norm = self._micro_steps(micro, loss_of)

@@ -1,0 +1,56 @@
+"""Preference objectives on pairs (``train.objective``; docs/trainer.md#preference-tuning).
+
+Each takes, per pair, the summed log-probabilities of the chosen and rejected responses under the
+policy (``logps`` [..., 2]) and their response token counts (``tokens`` [..., 2]); DPO also the
+reference model's (``ref``). Each returns (loss, margin) per pair, where ``margin > 0`` means the
+objective's implicit reward prefers the chosen response (the reported reward accuracy):
+
+- ``dpo`` (Rafailov et al. 2023): margin = beta ((pi_c - ref_c) - (pi_r - ref_r)), loss
+  -log sigmoid(margin). Needs the reference log-probabilities (taken once at the run's start).
+- ``simpo`` (Meng et al. 2024), reference-free: the length-normalised reward
+  beta * logp / |y|; margin = beta (pi_c / |y_c| - pi_r / |y_r|), loss -log sigmoid(margin - gamma)
+  with a target reward margin gamma.
+- ``orpo`` (Hong et al. 2024), reference-free: the SFT loss on the chosen response (mean token NLL)
+  plus lambda times -log sigmoid of the log odds ratio, odds(y) = p / (1 - p) with p the mean
+  token probability exp(pi / |y|); margin = the log odds ratio.
+
+Written here rather than taken from TRL: TRL's trainers compute these inside their own
+``Trainer`` subclasses from full-vocabulary logits of padded batches, while ours come from the
+chunked loss's per-segment sums of packed pairs (and are summed over the SP group first).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+PAIR_OBJECTIVES = ("dpo", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+def _log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) of p = exp(mean_logp) <= 1, stably: log(1 - p) = log(-expm1(mean_logp))."""
+    x = mean_logp.clamp(max=-1e-6)  # p = 1 exactly would make the odds infinite
+    return x - torch.log(-torch.expm1(x))
+
+
+def pair_loss(objective: str, logps: torch.Tensor, tokens: torch.Tensor, ref: Optional[torch.Tensor] = None, *,
+              beta: float = 0.1, simpo_gamma: float = 1.0, orpo_lambda: float = 0.1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(loss, margin) per pair for ``objective`` (see the module doc); ``logps``, ``tokens`` and ``ref``
+    have the pair (chosen, rejected) in the last dimension. ``beta`` is DPO's or SimPO's."""
+    chosen, rejected = logps[..., 0], logps[..., 1]
+    if objective == "dpo":
+        if ref is None:
+            raise ValueError("pair_loss: dpo needs the reference log-probabilities")
+        margin = beta * ((chosen - ref[..., 0]) - (rejected - ref[..., 1]))
+        return -F.logsigmoid(margin), margin
+    n = tokens.to(logps.dtype).clamp(min=1)
+    mean_c, mean_r = chosen / n[..., 0], rejected / n[..., 1]
+    if objective == "simpo":
+        margin = beta * (mean_c - mean_r)
+        return -F.logsigmoid(margin - simpo_gamma), margin
+    if objective == "orpo":
+        margin = _log_odds(mean_c) - _log_odds(mean_r)
+        return -mean_c - orpo_lambda * F.logsigmoid(margin), margin
+    raise ValueError(f"pair_loss: objective={objective!r}; expected one of {PAIR_OBJECTIVES}")

@@ -1,0 +1,71 @@
+"""The reference-free preference objectives (train.objective=simpo|orpo, msa_train/preference.py):
+their losses against values computed by hand, and tiny CPU runs that learn a toy preference."""
+import math
+
+import pytest
+import torch
+
+from msa_train.preference import pair_loss
+from tests.msa_train._util import compose, train
+from tests.msa_train.test_dpo import _args, pairs  # noqa: F401  (the fixture)
+
+
+def _sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_pair_losses_equal_hand_computed_values():
+    logps = torch.tensor([[-6.0, -12.0], [-9.0, -4.0]], dtype=torch.float64)  # chosen, rejected summed log-probs
+    tokens = torch.tensor([[3.0, 4.0], [3.0, 2.0]], dtype=torch.float64)
+    ref = torch.tensor([[-7.0, -10.0], [-8.0, -5.0]], dtype=torch.float64)
+    # DPO, beta 0.1: pair 0 margin 0.1 * ((-6 + 7) - (-12 + 10)) = 0.3; pair 1: 0.1 * (-1 - 1) = -0.2
+    loss, margin = pair_loss("dpo", logps, tokens, ref, beta=0.1)
+    assert margin.tolist() == pytest.approx([0.3, -0.2])
+    assert loss.tolist() == pytest.approx([-math.log(_sig(0.3)), -math.log(_sig(-0.2))])
+    # SimPO, beta 2, gamma 1: pair 0 rewards 2 * (-6/3) = -4 and 2 * (-12/4) = -6, margin 2; pair 1: -6 vs -4
+    loss, margin = pair_loss("simpo", logps, tokens, beta=2.0, simpo_gamma=1.0)
+    assert margin.tolist() == pytest.approx([2.0, -2.0])
+    assert loss.tolist() == pytest.approx([-math.log(_sig(2.0 - 1.0)), -math.log(_sig(-2.0 - 1.0))])
+    # ORPO, lambda 0.1: mean log-probs -2 and -3; log odds log(p / (1 - p)) with p = e^-2, e^-3
+    odds = lambda m: math.log(math.exp(m) / (1 - math.exp(m)))  # noqa: E731
+    loss, margin = pair_loss("orpo", logps, tokens, orpo_lambda=0.1)
+    r0 = odds(-2.0) - odds(-3.0)
+    r1 = odds(-3.0) - odds(-2.0)
+    assert margin.tolist() == pytest.approx([r0, r1])
+    assert loss.tolist() == pytest.approx([2.0 - 0.1 * math.log(_sig(r0)), 3.0 - 0.1 * math.log(_sig(r1))])
+
+
+def test_orpo_log_odds_stay_finite_near_probability_one():
+    logps = torch.tensor([[-1e-9, -50.0]], dtype=torch.float64, requires_grad=True)
+    loss, margin = pair_loss("orpo", logps, torch.tensor([[1.0, 10.0]]))
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(margin).all() and torch.isfinite(logps.grad).all()
+
+
+def test_dpo_needs_a_reference_and_unknown_objectives_are_refused():
+    with pytest.raises(ValueError, match="reference"):
+        pair_loss("dpo", torch.zeros(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="objective='kto'"):
+        pair_loss("kto", torch.zeros(1, 2), torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("objective", ["simpo", "orpo"])
+def test_reference_free_objectives_learn_the_preference_without_a_reference_pass(objective, pairs, tmp_path):  # noqa: F811
+    args = _args(pairs, tmp_path, "train.steps=12", f"train.objective={objective}", "data.eval_fraction=0.125",
+                 "eval.at_start=true")
+    _, records = train(args)
+    steps = [r for r in records if "loss" in r and "eval_loss" not in r]
+    first, last = [r for r in records if "eval_loss" in r]
+    assert not (tmp_path / "dpo_reference").exists()  # no reference pass, no stored reference
+    # held-out pairs: from chance (the initial model barely tells the two responses apart) to all right
+    assert first["eval_reward_accuracy"] <= 0.5 and abs(first["eval_reward_margin"]) < 0.1
+    assert last["eval_reward_accuracy"] == 1.0 and last["eval_reward_margin"] > 0.5
+    assert steps[-1]["reward_accuracy"] == 1.0 and steps[-1]["loss"] < steps[0]["loss"]
+
+
+@pytest.mark.parametrize("override, match", [
+    ("train.simpo_beta=0", "train.simpo_beta=0"), ("train.simpo_gamma=-1", "train.simpo_gamma"),
+    ("train.orpo_lambda=0", "train.orpo_lambda=0")])
+def test_preference_settings_are_checked(override, match, pairs, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match=match):
+        compose(_args(pairs, tmp_path, "train.objective=simpo", override))

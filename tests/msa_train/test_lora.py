@@ -60,20 +60,21 @@ def test_lora_trains_the_adapters_and_nsa_and_exports_a_merged_model(tmp_path):
     assert torch.equal(ga, gb)
 
 
-def test_lora_resume_is_exact_and_eval_only_reads_the_adapters(tmp_path):
+@pytest.mark.parametrize("zero", [0, 2])
+def test_lora_resume_is_exact_and_eval_only_reads_the_adapters(zero, tmp_path):
     straight = tmp_path / "straight"
-    _, full = train(_args(straight, "train.steps=4", "data.eval_fraction=0.1"))
+    common = ["train.steps=4", "data.eval_fraction=0.1", f"parallel.zero_stage={zero}"]
+    _, full = train(_args(straight, *common))
     split = tmp_path / "split"
-    train(_args(split, "train.steps=4", "train.save_every=2", "data.eval_fraction=0.1"), stop_after=2)
-    _, rest = train(_args(split, "train.steps=4", "train.save_every=2", "data.eval_fraction=0.1", "train.resume=auto"))
+    train(_args(split, *common, "train.save_every=2"), stop_after=2)
+    _, rest = train(_args(split, *common, "train.save_every=2", "train.resume=auto"))
     losses = [r["loss"] for r in full if "loss" in r and "eval_loss" not in r]
     resumed = [r["loss"] for r in read_metrics(split) if "loss" in r and "eval_loss" not in r]
     assert len(resumed) == len(losses) == 4
     for a, b in zip(losses, resumed):  # as the other resume tests: CPU float noise only
         assert b == pytest.approx(a, abs=1e-6)
     last_eval = [r for r in full if "eval_loss" in r][-1]
-    again = _trainer(_args(straight, "train.steps=4", "data.eval_fraction=0.1", "eval.only=true",
-                           "train.resume=auto")).run()
+    again = _trainer(_args(straight, *common, "eval.only=true", "train.resume=auto")).run()
     assert again["eval_loss"] == pytest.approx(last_eval["eval_loss"], rel=1e-6)
 
 

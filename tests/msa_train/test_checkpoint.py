@@ -12,7 +12,7 @@ from tests.msa_train._util import FAST, train
 
 
 class FakeEngine:
-    def save_checkpoint(self, path, tag, save_latest=False):
+    def save_checkpoint(self, path, tag, save_latest=False, exclude_frozen_parameters=False):
         Path(path, tag).mkdir()
         torch.save({"w": torch.zeros(2)}, Path(path, tag, "model.pt"))
 

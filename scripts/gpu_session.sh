@@ -2,7 +2,7 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e lora longest phases fusedops nsa selected variants ncu quality
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e report plancheck lora longest phases fusedops nsa selected variants ncu quality
 # The maintainers copy a stage's files to benchmarks/results/<benchmark>/latest.* (docs/performance.md
 # lists which stage writes which benchmark). (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
 # longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
@@ -31,6 +31,17 @@ for stage in $stages; do
       timeout "${E2E_TIMEOUT:-560}" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "${E2E_ATTN:-full,nsa,fmsa}" \
         --seq-lens "${E2E_LENS:-65536,131072}" --steps 4 --timeout 240 --out "$OUT/e2e_llama3_8b_4layers_h200" \
         -- model.hf_config.num_hidden_layers=4 2>&1 | tail -15 | tee "$OUT/e2e.log" ;;
+    report) # the full-depth end-to-end report (python -m msa_train.bench report), in pieces: points accumulate
+            # in /tmp/e2e_report while the machine stays warm; each call starts points for REPORT_MINUTES and packs
+            # latest.{json,md,png} and points.jsonl into $OUT/e2e_report.tgz
+      mkdir -p /tmp/e2e_report
+      timeout 590 python3 -m msa_train.bench report --out /tmp/e2e_report --max-minutes "${REPORT_MINUTES:-7}" \
+        --models "${REPORT_MODELS:-llama3_8b,qwen3_14b,qwen25_32b}" --seq-lens "${REPORT_LENS:-65536,131072,262144}" \
+        ${REPORT_DEPTHS:+--depths $REPORT_DEPTHS} 2>&1 | tail -20 | tee "$OUT/e2e_report.log"
+      (cd /tmp/e2e_report && tar czf "$OUT/e2e_report.tgz" --ignore-failed-read latest.json latest.md latest.png points.jsonl) ;;
+    plancheck)  # the memory planner against measured peaks (python -m msa_train.bench plan-check)
+      timeout "${PLANCHECK_TIMEOUT:-560}" python3 -m msa_train.bench plan-check --out "$OUT/plan_check" 2>&1 | tail -20 \
+        | tee "$OUT/plan_check.log" ;;
     lora)   # LoRA (r=16) fine-tuning throughput and peak memory, Llama3-8B at full depth on one GPU, full vs fmsa
       timeout "${LORA_TIMEOUT:-420}" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "${LORA_ATTN:-full,fmsa}" \
         --seq-lens "${LORA_LENS:-65536}" --steps 3 --warmup 1 --timeout "${LORA_POINT_TIMEOUT:-200}" \

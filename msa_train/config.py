@@ -130,6 +130,10 @@ class ModelConfig:
             raise ValueError(f"model.nsa_distill_lr={self.nsa_distill_lr!r} is not allowed; expected a positive float")
         if self.path is None and not self.hf_config:
             raise ValueError("model: set model.path (a local HF checkpoint dir) or model.hf_config (config values)")
+        if self.nsa_init == "distill" and self.lora.enabled and self.lora.nsa == "freeze":
+            # a LoRA checkpoint holds the trainable tensors only: frozen distilled values could not be resumed
+            raise ValueError("model.nsa_init=distill fits NSA's parameters, model.lora.nsa=freeze keeps them as loaded "
+                             "from model.path: choose one (model.lora.nsa=train trains the distilled parameters on)")
 
 
 @dataclass

@@ -115,10 +115,11 @@ def test_merged_state_dict_adds_the_scaled_low_rank_product():
     ("model.lora.dropout=1.0", "model.lora.dropout"),
     ("model.lora.nsa=half", "model.lora.nsa"),
     ("model.lora.target_modules=[]", "model.lora.target_modules is empty"),
+    ("model.lora.nsa=freeze model.nsa_init=distill", "choose one"),
 ])
 def test_lora_config_errors(override, match):
     with pytest.raises(ValueError, match=match):
-        compose(["model.lora.r=4", override])
+        compose(["model.lora.r=4", *override.split()])
 
 
 def test_lora_target_modules_that_match_nothing_are_refused(tmp_path):

@@ -22,8 +22,8 @@ BACKENDS = ("auto", "nccl", "gloo")
 LOGGERS = ("none", "wandb")
 OPTIMIZERS = ("torch", "deepspeed")
 WANDB_MODES = ("offline", "online", "disabled")
-OBJECTIVES = ("lm", "dpo", "simpo", "orpo")  # the last three train on preference pairs (msa_train/preference.py)
-PAIR_OBJECTIVES = ("dpo", "simpo", "orpo")
+OBJECTIVES = ("lm", "dpo", "simpo", "orpo", "kto")  # all but lm train on preference pairs (msa_train/preference.py)
+PAIR_OBJECTIVES = ("dpo", "simpo", "orpo", "kto")
 LOSS_IMPLS = ("fused", "recompute")  # msa_train/loss.py
 NONFINITE_POLICIES = ("stop", "skip")
 NSA_INITS = ("default", "distill")      # msa_train/models/distill.py
@@ -236,6 +236,9 @@ class TrainConfig:
     simpo_beta: float = 2.0              # SimPO's beta: scale of the length-normalised reward
     simpo_gamma: float = 1.0             # SimPO's target reward margin
     orpo_lambda: float = 0.1             # ORPO's weight of the odds-ratio term beside the chosen response's SFT loss
+    kto_beta: float = 0.1                # KTO's beta: scale of the implicit reward
+    kto_desirable_weight: float = 1.0    # KTO's lambda_D (the chosen responses) and lambda_U (the rejected ones)
+    kto_undesirable_weight: float = 1.0
     deterministic: bool = False          # NSA's compressed attention on the bitwise deterministic Triton kernels, not cuDNN
     # memory planner (msa_train/parallel/planner.py): plan=true prints the predicted per-GPU peak and exits
     plan: bool = False
@@ -249,7 +252,7 @@ class TrainConfig:
         for key in ("warmup_steps", "save_every", "keep_checkpoints", "profile_step", "plan_world_size"):
             _at_least(f"train.{key}", getattr(self, key), 0, "an integer >= 0")
         for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "dpo_beta", "simpo_beta", "simpo_gamma",
-                    "orpo_lambda"):
+                    "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight"):
             _finite(f"train.{key}", getattr(self, key))
         for i, b in enumerate(self.betas):
             _finite(f"train.betas[{i}]", b)
@@ -267,7 +270,7 @@ class TrainConfig:
         _choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         if self.plan_gpu_gb is not None and not self.plan_gpu_gb > 0:
             raise ValueError(f"train.plan_gpu_gb={self.plan_gpu_gb!r} is not allowed; expected a positive number of GiB")
-        for key in ("dpo_beta", "simpo_beta", "orpo_lambda"):
+        for key in ("dpo_beta", "simpo_beta", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"train.{key}={getattr(self, key)!r} is not allowed; expected a positive float")
         _at_least("train.simpo_gamma", self.simpo_gamma, 0.0, "a float >= 0")

@@ -13,6 +13,10 @@ objective's implicit reward prefers the chosen response (the reported reward acc
 - ``orpo`` (Hong et al. 2024), reference-free: the SFT loss on the chosen response (mean token NLL)
   plus lambda times -log sigmoid of the log odds ratio, odds(y) = p / (1 - p) with p the mean
   token probability exp(pi / |y|); margin = the log odds ratio.
+- ``kto`` (Ethayarajh et al. 2024) on the two responses of a pair taken as one desirable and one
+  undesirable example: with r = pi - ref and the reference point z0 (:func:`kto_reference_point`),
+  the mean of lambda_D (1 - sigmoid(beta (r_c - z0))) and lambda_U (1 - sigmoid(beta (z0 - r_r)));
+  margin = beta (r_c - r_r), as DPO's. Needs the reference log-probabilities.
 
 Written here rather than taken from TRL: TRL's trainers compute these inside their own
 ``Trainer`` subclasses from full-vocabulary logits of padded batches, while ours come from the
@@ -25,8 +29,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-PAIR_OBJECTIVES = ("dpo", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")
+PAIR_OBJECTIVES = ("dpo", "simpo", "orpo", "kto")
+WITH_REFERENCE = ("dpo", "kto")
 
 
 def _log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
@@ -35,16 +39,38 @@ def _log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
     return x - torch.log(-torch.expm1(x))
 
 
+def kto_reference_point(logps: torch.Tensor, ref: torch.Tensor, across_ranks: bool = False) -> torch.Tensor:
+    """KTO's z0: the mean policy-reference log-ratio of the examples at hand (with ``across_ranks``,
+    every rank's: an all-reduce), clamped at 0 and not differentiated. The paper estimates it from
+    mismatched prompt/completion pairs of the batch, which costs another forward pass per example;
+    this uses the batch's own examples instead."""
+    import torch.distributed as dist
+
+    kl = (logps - ref).detach().float().mean()
+    if across_ranks and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(kl)
+        kl = kl / dist.get_world_size()
+    return kl.clamp(min=0)
+
+
 def pair_loss(objective: str, logps: torch.Tensor, tokens: torch.Tensor, ref: Optional[torch.Tensor] = None, *,
-              beta: float = 0.1, simpo_gamma: float = 1.0, orpo_lambda: float = 0.1) -> Tuple[torch.Tensor, torch.Tensor]:
+              beta: float = 0.1, simpo_gamma: float = 1.0, orpo_lambda: float = 0.1, kto_z0=None,
+              kto_weights: Tuple[float, float] = (1.0, 1.0)) -> Tuple[torch.Tensor, torch.Tensor]:
     """(loss, margin) per pair for ``objective`` (see the module doc); ``logps``, ``tokens`` and ``ref``
-    have the pair (chosen, rejected) in the last dimension. ``beta`` is DPO's or SimPO's."""
+    have the pair (chosen, rejected) in the last dimension. ``beta`` is DPO's, SimPO's or KTO's;
+    ``kto_z0`` KTO's reference point and ``kto_weights`` its (lambda_D, lambda_U)."""
     chosen, rejected = logps[..., 0], logps[..., 1]
+    if objective in WITH_REFERENCE and ref is None:
+        raise ValueError(f"pair_loss: {objective} needs the reference log-probabilities")
     if objective == "dpo":
-        if ref is None:
-            raise ValueError("pair_loss: dpo needs the reference log-probabilities")
         margin = beta * ((chosen - ref[..., 0]) - (rejected - ref[..., 1]))
         return -F.logsigmoid(margin), margin
+    if objective == "kto":
+        r_c, r_r = chosen - ref[..., 0], rejected - ref[..., 1]
+        z0 = 0.0 if kto_z0 is None else kto_z0
+        loss = 0.5 * (kto_weights[0] * (1 - torch.sigmoid(beta * (r_c - z0)))
+                      + kto_weights[1] * (1 - torch.sigmoid(beta * (z0 - r_r))))
+        return loss, beta * (r_c - r_r)
     n = tokens.to(logps.dtype).clamp(min=1)
     mean_c, mean_r = chosen / n[..., 0], rejected / n[..., 1]
     if objective == "simpo":

@@ -72,7 +72,8 @@ def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
 # cadence) may change between a run and its resume.
 RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "warmup_steps", "weight_decay",
                      "grad_clip", "seed", "precision", "loss_chunk_tokens", "loss_impl", "objective", "dpo_beta",
-                     "simpo_beta", "simpo_gamma", "orpo_lambda")
+                     "simpo_beta", "simpo_gamma", "orpo_lambda", "kto_beta", "kto_desirable_weight",
+                     "kto_undesirable_weight")
 
 
 def _later_settings() -> Dict[str, Any]:
@@ -82,7 +83,8 @@ def _later_settings() -> Dict[str, Any]:
     lora = json.loads(json.dumps(dataclasses.asdict(LoraConfig())))
     train = TrainConfig()
     return {**{f"model.lora.{k}": v for k, v in lora.items()},
-            **{f"train.{k}": getattr(train, k) for k in ("simpo_beta", "simpo_gamma", "orpo_lambda")}}
+            **{f"train.{k}": getattr(train, k) for k in ("simpo_beta", "simpo_gamma", "orpo_lambda", "kto_beta",
+                                                         "kto_desirable_weight", "kto_undesirable_weight")}}
 
 
 _LATER_SETTINGS = _later_settings()
@@ -132,8 +134,8 @@ def check_eval_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> N
     def fits(rc):
         attention = {k: v for k, v in rc.get("attention", {}).items() if k != "name"}
         attention["sparse"] = rc.get("attention", {}).get("name") != "full"  # NSA's parameters or none
-        # ZeRO-3 partitions the weights by rank; DPO's reference is stored per rank
-        per_rank = rc.get("zero_stage") == 3 or rc.get("train", {}).get("objective") == "dpo"
+        # ZeRO-3 partitions the weights by rank; DPO's and KTO's reference is stored per rank
+        per_rank = rc.get("zero_stage") == 3 or rc.get("train", {}).get("objective") in ("dpo", "kto")
         model = rc.get("model")
         if isinstance(model, dict) and "lora" not in model:  # written before LoRA: without it
             model = {**model, "lora": {k[len("model.lora."):]: v for k, v in _LATER_SETTINGS.items()
@@ -182,7 +184,7 @@ class Trainer:
 
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
-        self.dpo = cfg.train.objective == "dpo"  # pairs with a reference (taken at the start)
+        self.dpo = cfg.train.objective in ("dpo", "kto")  # pairs with a reference (taken at the start)
         self.pairs = cfg.train.objective in PAIR_OBJECTIVES
         # seconds each build step took (summary.json's "startup_s"): on a GPU a benchmark point's
         # startup can take longer than its steps, and this says which step to look at
@@ -659,12 +661,16 @@ class Trainer:
                 "eval_retrieval_generate_agreement": agree / len(picks)}
 
     def _pair_loss(self, logps: torch.Tensor, tokens: torch.Tensor, ref: Optional[torch.Tensor]):
-        from msa_train.preference import pair_loss
+        from msa_train.preference import kto_reference_point, pair_loss
 
         t = self.cfg.train
-        beta = t.dpo_beta if t.objective == "dpo" else t.simpo_beta
+        beta = {"dpo": t.dpo_beta, "kto": t.kto_beta}.get(t.objective, t.simpo_beta)
+        # KTO's reference point from the examples at hand: a micro-batch's on every rank in training
+        # (a collective each micro step, as many on every rank), all held-out pairs in evaluation
+        z0 = kto_reference_point(logps, ref, across_ranks=logps.dim() == 1) if t.objective == "kto" else None
         return pair_loss(t.objective, logps, tokens, ref, beta=beta, simpo_gamma=t.simpo_gamma,
-                         orpo_lambda=t.orpo_lambda)
+                         orpo_lambda=t.orpo_lambda, kto_z0=z0,
+                         kto_weights=(t.kto_desirable_weight, t.kto_undesirable_weight))
 
     def _eval_pairs(self) -> Dict[str, Any]:
         """The preference objective on held-out pairs; DPO's against the reference log-probabilities
@@ -677,7 +683,7 @@ class Trainer:
                                    device=self.device)
             dist.all_reduce(missing)  # every rank raises, or none
             if missing.item():
-                raise ValueError(f"DPO evaluation: {int(missing.item())} held-out pairs have no reference "
+                raise ValueError(f"{self.cfg.train.objective.upper()} evaluation: {int(missing.item())} held-out pairs have no reference "
                                  "log-probabilities: the reference is taken when a run starts, for the evaluation "
                                  "data, eval.max_sequences and number of processes it started with")
         logps = torch.zeros(n, 2, device=self.device)
@@ -776,8 +782,9 @@ class Trainer:
             self._reference = safe_load(path)
             return
         if self.cfg.eval.only:
-            raise ValueError("eval.only=true with DPO evaluates a checkpoint of a DPO run (train.resume=auto or a "
-                             "checkpoint path): its reference log-probabilities are those of the run's start")
+            name = self.cfg.train.objective.upper()
+            raise ValueError(f"eval.only=true with {name} evaluates a checkpoint of a {name} run (train.resume=auto "
+                             "or a checkpoint path): its reference log-probabilities are those of the run's start")
         sampler = type(self.sampler)(self.sampler.num_items, seed=self.sampler.seed, rank=self.sampler.rank,
                                      world_size=self.sampler.world_size)
         sampler.load_state_dict(self.sampler.state_dict())
@@ -809,7 +816,8 @@ class Trainer:
             ref = None
             if self.dpo:
                 if m["index"] not in self._reference:
-                    raise ValueError(f"DPO: no reference log-probabilities for pair {m['index']}: this run's "
+                    raise ValueError(f"{self.cfg.train.objective.upper()}: no reference log-probabilities for pair "
+                                     f"{m['index']}: this run's "
                                      f"reference covers the pairs of its first train.steps={self.cfg.train.steps} "
                                      "steps as set when it started; extend a DPO run by starting a new one from its "
                                      "hf/ export")

@@ -91,7 +91,7 @@ def test_dpo_resume_is_exact_and_keeps_its_reference(pairs, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["train.objective=lm"], r"train.objective=dpo\|simpo\|orpo and data.format=preference go together"),
+    (["train.objective=lm"], r"train.objective=dpo\|simpo\|orpo\|kto and data.format=preference go together"),
     (["train.dpo_beta=0"], "train.dpo_beta=0"),
 ], ids=["lm-on-pairs", "beta"])
 def test_dpo_config_errors(overrides, match, pairs, tmp_path):

@@ -35,6 +35,23 @@ def test_pair_losses_equal_hand_computed_values():
     assert loss.tolist() == pytest.approx([2.0 - 0.1 * math.log(_sig(r0)), 3.0 - 0.1 * math.log(_sig(r1))])
 
 
+def test_kto_loss_and_reference_point_equal_hand_computed_values():
+    from msa_train.preference import kto_reference_point
+
+    logps = torch.tensor([[-6.0, -12.0], [-9.0, -4.0]], dtype=torch.float64)
+    ref = torch.tensor([[-7.0, -10.0], [-8.0, -5.0]], dtype=torch.float64)
+    # r = logps - ref: [[1, -2], [-1, 1]], mean -0.25 -> z0 = 0 (clamped); with ref shifted by -1, mean 0.75
+    assert kto_reference_point(logps, ref).item() == 0.0
+    assert kto_reference_point(logps, ref - 1).item() == pytest.approx(0.75)
+    loss, margin = pair_loss("kto", logps, torch.ones(2, 2), ref, beta=0.5, kto_z0=torch.tensor(0.25),
+                             kto_weights=(1.0, 2.0))
+    # pair 0: 0.5 * (1 * (1 - s(0.5 (1 - 0.25))) + 2 * (1 - s(0.5 (0.25 + 2)))); pair 1: r_c -1, r_r 1
+    want0 = 0.5 * ((1 - _sig(0.375)) + 2 * (1 - _sig(1.125)))
+    want1 = 0.5 * ((1 - _sig(-0.625)) + 2 * (1 - _sig(-0.375)))
+    assert loss.tolist() == pytest.approx([want0, want1])
+    assert margin.tolist() == pytest.approx([0.5 * 3, 0.5 * -2])
+
+
 def test_orpo_log_odds_stay_finite_near_probability_one():
     logps = torch.tensor([[-1e-9, -50.0]], dtype=torch.float64, requires_grad=True)
     loss, margin = pair_loss("orpo", logps, torch.tensor([[1.0, 10.0]]))
@@ -43,10 +60,11 @@ def test_orpo_log_odds_stay_finite_near_probability_one():
 
 
 def test_dpo_needs_a_reference_and_unknown_objectives_are_refused():
-    with pytest.raises(ValueError, match="reference"):
-        pair_loss("dpo", torch.zeros(1, 2), torch.ones(1, 2))
-    with pytest.raises(ValueError, match="objective='kto'"):
-        pair_loss("kto", torch.zeros(1, 2), torch.ones(1, 2))
+    for objective in ("dpo", "kto"):
+        with pytest.raises(ValueError, match=f"{objective} needs the reference"):
+            pair_loss(objective, torch.zeros(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="objective='ipo'"):
+        pair_loss("ipo", torch.zeros(1, 2), torch.ones(1, 2))
 
 
 @pytest.mark.parametrize("objective", ["simpo", "orpo"])
@@ -65,7 +83,27 @@ def test_reference_free_objectives_learn_the_preference_without_a_reference_pass
 
 @pytest.mark.parametrize("override, match", [
     ("train.simpo_beta=0", "train.simpo_beta=0"), ("train.simpo_gamma=-1", "train.simpo_gamma"),
-    ("train.orpo_lambda=0", "train.orpo_lambda=0")])
+    ("train.orpo_lambda=0", "train.orpo_lambda=0"), ("train.kto_beta=-1", "train.kto_beta"),
+    ("train.kto_undesirable_weight=0", "train.kto_undesirable_weight")])
 def test_preference_settings_are_checked(override, match, pairs, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match=match):
         compose(_args(pairs, tmp_path, "train.objective=simpo", override))
+
+
+def test_kto_starts_at_half_the_weights_and_learns_the_preference(pairs, tmp_path):  # noqa: F811
+    """KTO on the pairs' two responses as a desirable and an undesirable example, with the reference
+    pass of DPO: at step 1 the policy is the reference (r = 0, z0 = 0), so every loss is
+    (lambda_D + lambda_U) / 4; then held-out reward accuracy reaches 1; resume is exact."""
+    args = _args(pairs, tmp_path / "a", "train.steps=12", "train.objective=kto", "data.eval_fraction=0.125",
+                 "eval.at_start=true", "train.kto_undesirable_weight=2.0")
+    _, records = train(args)
+    steps = [r for r in records if "loss" in r and "eval_loss" not in r]
+    first, last = [r for r in records if "eval_loss" in r]
+    assert steps[0]["loss"] == pytest.approx(0.75, abs=1e-6) and first["eval_loss"] == pytest.approx(0.75, abs=1e-6)
+    assert (tmp_path / "a" / "dpo_reference" / "rank_00000.pt").is_file()
+    assert last["eval_reward_accuracy"] == 1.0 and last["eval_reward_margin"] > 0 and last["eval_loss"] < 0.7
+    b = [a if not a.startswith("train.output_dir") else f"train.output_dir={tmp_path / 'b'}" for a in args]
+    train(b, stop_after=6)
+    _, resumed = train([*b, "train.resume=auto"])
+    for x, y in zip(steps, [r for r in resumed if "loss" in r and "eval_loss" not in r]):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-6), (x["step"], x["loss"], y["loss"])

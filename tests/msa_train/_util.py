@@ -53,3 +53,14 @@ def run_cli(args: Sequence[str], extra_env=None, launcher: Sequence[str] = (), t
     entry = ["-m", "tests.msa_train.faults", *faults, "--"] if faults else ["-m", "msa_train.cli"]
     cmd = [*(launcher or [sys.executable]), *entry, *args]
     return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_launcher(nproc: int = 2) -> List[str]:
+    """``python -m torch.distributed.run`` with ``nproc`` processes on this host, on a free port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+            "127.0.0.1", "--master-port", str(port)]

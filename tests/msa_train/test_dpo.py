@@ -108,19 +108,12 @@ def test_dpo_needs_pairs():
 def test_dpo_two_processes_zero3_match_one_process(pairs, tmp_path):
     """2 ranks with ZeRO-3 (each computes the reference of its own pairs) follow 1 process with
     grad_accum=2, which sees the same two pairs per step."""
-    import socket
-    import sys
-
-    from tests.msa_train._util import run_cli
+    from tests.msa_train._util import run_cli, torchrun_launcher
 
     common = [a for a in _args(pairs, tmp_path, "train.steps=4", "parallel.zero_stage=3")
               if not a.startswith("train.output_dir")]
     _, one = train([*common, "train.grad_accum=2", f"train.output_dir={tmp_path / 'one'}"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(port)]
+    launcher = torchrun_launcher(2)
     out = run_cli([*common, f"train.output_dir={tmp_path / 'two'}"], launcher=launcher, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     two = read_metrics(tmp_path / "two")

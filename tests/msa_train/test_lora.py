@@ -147,23 +147,16 @@ def test_the_planner_counts_optimizer_state_for_the_trainable_parameters_only(tm
 def test_lora_two_processes_match_one_process(parallel, tmp_path):
     """2 ranks (ZeRO-3: each its own sequences; SP: one sequence split across both) follow one
     process; the ZeRO-3 run's merged export equals the one-process run's."""
-    import socket
-    import sys
-
     from safetensors.torch import load_file
 
-    from tests.msa_train._util import run_cli
+    from tests.msa_train._util import run_cli, torchrun_launcher
 
     common = [a for a in _args(tmp_path, "train.steps=3", "train.save_hf=true", *parallel)
               if not a.startswith("train.output_dir")]
     zero3 = parallel[0].startswith("parallel.zero_stage")
     one_args = [a for a in common if not a.startswith("parallel.sp_degree")]
     _, one = train([*one_args, *(["train.grad_accum=2"] if zero3 else []), f"train.output_dir={tmp_path / 'one'}"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(port)]
+    launcher = torchrun_launcher(2)
     out = run_cli([*common, f"train.output_dir={tmp_path / 'two'}"], launcher=launcher, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     two = read_metrics(tmp_path / "two")

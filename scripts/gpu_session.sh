@@ -69,7 +69,8 @@ for stage in $stages; do
       done < <(echo $sets | sed -E 's/ ([a-z0-9_]+:[a-z,]+:)/\n\1/g') 2>&1 | tee "$OUT/phases.log" ;;
     fusedops)  # our RMSNorm, RoPE, SiLU*up and fused linear CE against HF and liger-kernel, checked and timed side by side
       timeout "${FUSED_TIMEOUT:-240}" python3 scripts/bench_fused_ops.py --out "$OUT" --Ts "${FUSED_TS:-65536,262144}" \
-        --models "${FUSED_MODELS:-llama3_8b,qwen3_14b}" 2>&1 | grep -v '^{' | tail -30 | tee "$OUT/fused_ops.log" ;;
+        --models "${FUSED_MODELS:-llama3_8b,qwen3_14b}" 2>&1 | tee "$OUT/fused_ops_rows.log" | grep -v '^{' | tail -30 \
+        | tee "$OUT/fused_ops.log" ;;  # the rows (JSON lines) as they come, in case the timeout ends it
     nsa)    # whole NSA op vs cuDNN dense (dense rows reused from the committed sweep: phi does not change them)
       timeout 300 python3 scripts/bench_nsa.py --out "$OUT" --Ts 8192,32768,65536,131072,262144,524288 \
         --models llama3_8b,qwen3_14b --qwen-Ts 65536,262144 \

@@ -99,6 +99,10 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.lora.dropout={self.dropout!r} is not allowed; expected a value in [0, 1)")
         _choice("model.lora.nsa", self.nsa, LORA_NSA)
+        never = [t for t in self.target_modules if t in ("lm_head", "embed_tokens")]
+        if never:
+            raise ValueError(f"model.lora.target_modules: {never} cannot get adapters (the LM head and the embeddings "
+                             "stay frozen; the fused loss and the memory planner rely on it)")
         if self.r > 0 and not self.target_modules:
             raise ValueError("model.lora.target_modules is empty; name the linear layers that get adapters, "
                              f"for example [{', '.join(LORA_TARGETS)}]")
@@ -130,10 +134,13 @@ class ModelConfig:
             raise ValueError(f"model.nsa_distill_lr={self.nsa_distill_lr!r} is not allowed; expected a positive float")
         if self.path is None and not self.hf_config:
             raise ValueError("model: set model.path (a local HF checkpoint dir) or model.hf_config (config values)")
-        if self.nsa_init == "distill" and self.lora.enabled and self.lora.nsa == "freeze":
-            # a LoRA checkpoint holds the trainable tensors only: frozen distilled values could not be resumed
-            raise ValueError("model.nsa_init=distill fits NSA's parameters, model.lora.nsa=freeze keeps them as loaded "
-                             "from model.path: choose one (model.lora.nsa=train trains the distilled parameters on)")
+        if self.nsa_init == "distill" and self.lora.enabled and self.lora.nsa != "train":
+            # a LoRA checkpoint holds the trainable tensors only: frozen distilled values (all of NSA's
+            # under freeze, the gate's base under lora) could not be restored on a resume or by eval.only
+            raise ValueError(f"model.nsa_init=distill fits NSA's parameters, model.lora.nsa={self.lora.nsa} freezes "
+                             f"{'them' if self.lora.nsa == 'freeze' else 'the gate under its adapters'}: a checkpoint "
+                             "holds only what trains, so the distilled values could not be resumed; use "
+                             "model.lora.nsa=train with distill")
 
 
 @dataclass

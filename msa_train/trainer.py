@@ -140,8 +140,12 @@ def check_eval_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> N
         if isinstance(model, dict) and "lora" not in model:  # written before LoRA: without it
             model = {**model, "lora": {k[len("model.lora."):]: v for k, v in _LATER_SETTINGS.items()
                                        if k.startswith("model.lora.")}}
+        # a LoRA checkpoint holds the trainable tensors only: the frozen base comes from model.path, or
+        # without one from the seed, which then has to be the training run's
+        seeded = isinstance(model, dict) and not model.get("path") and (model.get("lora") or {}).get("r", 0) > 0
         return {"model": model, "attention": attention, "zero_stage": rc.get("zero_stage"),
-                "world_size": rc.get("world_size") if per_rank else None}
+                "world_size": rc.get("world_size") if per_rank else None,
+                "train.seed": rc.get("train", {}).get("seed") if seeded else None}
     a, b = fits(saved), fits(current)
     changed = [k for k in a if a[k] != b[k]]
     if saved and changed:
@@ -357,12 +361,11 @@ class Trainer:
         if cfg.model.lora.enabled:  # after the distillation, which fits NSA's parameters of the base model
             from msa_train.models.lora import apply_lora
 
-            self.n_trainable, _ = apply_lora(self.model, cfg.model.lora, dtype)
+            self.n_trainable, total = apply_lora(self.model, cfg.model.lora, dtype)
             if self.dist.is_main:
                 lc = cfg.model.lora
                 log.info("LoRA r=%d alpha=%g on %s (NSA's parameters: %s): %s of %s parameters train", lc.r, lc.alpha,
-                         ",".join(lc.target_modules), lc.nsa, format_count(self.n_trainable),
-                         format_count(self.n_params + self.n_trainable))
+                         ",".join(lc.target_modules), lc.nsa, format_count(self.n_trainable), format_count(total))
         if len(self.tokenizer) > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
                              f"{self.model.config.vocab_size}: set model.hf_config.vocab_size >= {len(self.tokenizer)}")

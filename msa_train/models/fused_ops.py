@@ -333,9 +333,15 @@ def _fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_SwiGLU.apply(g, u))
 
 
+def _is_linear(m) -> bool:
+    """An nn.Linear, or one under a LoRA adapter (peft's layer keeps it as ``base_layer``): the fused
+    MLP calls its projections as modules, so an adapter on them applies."""
+    return isinstance(m, nn.Linear) or isinstance(getattr(m, "base_layer", None), nn.Linear)
+
+
 def _is_swiglu_mlp(m: nn.Module) -> bool:
     return (type(m).__name__ in SWIGLU_MLPS and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
-            and all(isinstance(getattr(m, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")))
+            and all(_is_linear(getattr(m, name, None)) for name in ("gate_proj", "up_proj", "down_proj")))
 
 
 # ------------------------------------------------------------------------------------------- patch

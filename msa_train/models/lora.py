@@ -107,7 +107,7 @@ def lora_scaling(cfg: LoraConfig) -> float:
 def merged_state_dict(state: Mapping[str, torch.Tensor], cfg: LoraConfig) -> Dict[str, torch.Tensor]:
     """A LoRA model's full state dict (``...q_proj.base_layer.weight``, ``...q_proj.lora_A.default.weight``,
     ...) as the plain model's: ``...q_proj.weight = W + (alpha / r) B A`` (computed in fp32, stored in
-    W's dtype), adapters dropped, every other name as it was."""
+    W's dtype, on the host), adapters dropped, every other name as it was."""
     scale = lora_scaling(cfg)
     out: Dict[str, torch.Tensor] = {}
     for name, value in state.items():
@@ -119,7 +119,8 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], cfg: LoraConfig) -> Dic
             a = state.get(f"{prefix}.lora_A.{ADAPTER}.weight") if leaf == "weight" else None
             if a is not None:
                 b = state[f"{prefix}.lora_B.{ADAPTER}.weight"]
-                value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype)
+                # to the host as it is made: the export runs with the engine still on the GPU
+                value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype).cpu()
             out[plain] = value
         else:
             out[name] = value

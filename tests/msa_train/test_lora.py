@@ -115,11 +115,41 @@ def test_merged_state_dict_adds_the_scaled_low_rank_product():
     ("model.lora.dropout=1.0", "model.lora.dropout"),
     ("model.lora.nsa=half", "model.lora.nsa"),
     ("model.lora.target_modules=[]", "model.lora.target_modules is empty"),
-    ("model.lora.nsa=freeze model.nsa_init=distill", "choose one"),
+    ("model.lora.nsa=freeze model.nsa_init=distill", "could not be resumed"),
+    ("model.lora.nsa=lora model.nsa_init=distill", "could not be resumed"),
+    ("model.lora.target_modules=[q_proj,lm_head]", "cannot get adapters"),
 ])
 def test_lora_config_errors(override, match):
     with pytest.raises(ValueError, match=match):
         compose(["model.lora.r=4", *override.split()])
+
+
+def test_eval_only_of_a_lora_checkpoint_without_model_path_needs_the_training_seed(tmp_path):
+    """The checkpoint holds the adapters only; the frozen base of a model built from hf_config comes
+    from train.seed, so another seed would evaluate other weights."""
+    args = _args(tmp_path, "train.steps=2", "data.eval_fraction=0.1")
+    train(args)
+    with pytest.raises(ValueError, match=r"eval.only: .*train.seed: 0 -> 1"):
+        _trainer([*args, "eval.only=true", "train.resume=auto", "train.seed=1"])
+
+
+def test_the_fused_mlp_runs_under_lora_adapters():
+    """peft's LoRA layer wraps the MLP's projections; the fused SwiGLU still applies, and calls them
+    (adapters included) as modules."""
+    from msa_train.models.fused_ops import _fused_mlp_forward, _is_swiglu_mlp
+    from msa_train.models.lora import apply_lora
+
+    trainer_model = compose(["model.lora.r=2", "attention=full"])
+    from msa_train.models import build_model
+
+    model = build_model(trainer_model.model, trainer_model.attention)
+    apply_lora(model, trainer_model.model.lora, torch.float32)
+    mlp = model.model.layers[0].mlp
+    assert _is_swiglu_mlp(mlp)
+    with torch.no_grad():
+        mlp.up_proj.lora_B["default"].weight.fill_(0.3)
+    x = torch.randn(1, 5, mlp.gate_proj.in_features)
+    torch.testing.assert_close(_fused_mlp_forward(mlp, x), mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)))
 
 
 def test_lora_target_modules_that_match_nothing_are_refused(tmp_path):

@@ -39,11 +39,13 @@ Examples:
 
 def _first_sentence(text: str) -> str:
     """Up to the first full stop that ends a sentence: one followed by a space or the end, outside
-    parentheses (so "(e.g. torchrun ...)" does not end it)."""
-    depth = 0
+    parentheses and backquoted code (so "(e.g. torchrun ...)" and "`... model.path=... data.path=...`"
+    do not end it)."""
+    depth, code = 0, False
     for i, ch in enumerate(text):
         depth += {"(": 1, ")": -1}.get(ch, 0)
-        if ch == "." and depth <= 0 and (i + 1 == len(text) or text[i + 1] == " "):
+        code ^= ch == "`"
+        if ch == "." and depth <= 0 and not code and (i + 1 == len(text) or text[i + 1] == " "):
             return text[:i + 1]
     return text
 

@@ -55,12 +55,16 @@ def run_cli(args: Sequence[str], extra_env=None, launcher: Sequence[str] = (), t
     return subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
 
 
-def torchrun_launcher(nproc: int = 2) -> List[str]:
-    """``python -m torch.distributed.run`` with ``nproc`` processes on this host, on a free port."""
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a launcher's rendezvous)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def torchrun_launcher(nproc: int = 2) -> List[str]:
+    """``python -m torch.distributed.run`` with ``nproc`` processes on this host, on a free port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-            "127.0.0.1", "--master-port", str(port)]
+            "127.0.0.1", "--master-port", str(free_port())]

@@ -95,6 +95,8 @@ def test_help_shows_each_recipes_first_sentence_whole():
         assert text.endswith("."), (name, text)
     assert entries["qwen25_32b_128k"].startswith("Qwen2.5-32B (G = 5, q/k/v biases) at 128K tokens")
     assert "(e.g. torchrun --nproc-per-node 8)." in entries["qwen25_32b_128k"]
+    # a full stop inside backquoted code ("model.path=... data.path=...") does not end the sentence
+    assert entries["qwen3_14b_1m"].endswith("recipe=qwen3_14b_1m model.path=... data.path=...`.")
     assert all(len(line) <= 100 for line in lines)
 
 

@@ -6,21 +6,17 @@ random initialisation differs from a plain build). One process with grad_accum=2
 grad_accum=1 (the sampler deals one global order round-robin), and the loss is token-weighted
 over the global batch in both, so the curves agree up to fp32 reduction order.
 """
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.msa_train._util import FAST, REPO, env, read_metrics, run_cli, train
+from tests.msa_train._util import FAST, REPO, env, free_port, read_metrics, run_cli, torchrun_launcher, train
 
 STEPS = 4
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_port = free_port
 
 
 @pytest.mark.slow
@@ -32,8 +28,7 @@ def test_two_process_zero_matches_one_process(tmp_path, stage, attention):
               "eval.max_sequences=5", "eval.every=2", "eval.passkey=3"]
     _, ref = train([*common, f"parallel.zero_stage={stage}", "train.grad_accum=2",
                     f"train.output_dir={tmp_path / 'one'}"])
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(_port())]
+    launcher = torchrun_launcher(2)
     out = run_cli([*common, f"parallel.zero_stage={stage}", "train.grad_accum=1", "train.save_hf=true",
                    f"train.output_dir={tmp_path / 'two'}"], launcher=launcher, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -78,8 +73,7 @@ def test_a_stopped_rank_fails_its_peer_within_the_timeout_naming_it(tmp_path):
     timeout_s = 4
     args = ["attention=full", "train.steps=500", "train.seq_len=128", *FAST, "train.save_final=false",
             f"parallel.timeout_s={timeout_s}", f"train.output_dir={tmp_path}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_port()), "-m", "msa_train.cli", *args]
+    cmd = [*torchrun_launcher(2), "-m", "msa_train.cli", *args]
     log = open(tmp_path / "log.txt", "w+")
     launcher = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
     stopped = None

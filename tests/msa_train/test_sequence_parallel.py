@@ -16,25 +16,15 @@
 4. DPO with parallel.sp_degree=2 follows 1 process: a pair's log-probabilities are added over the
    ranks that hold its tokens.
 """
-import socket
-import sys
 
 import pytest
 
-from tests.msa_train._util import FAST, REPO, env, read_metrics, run_cli
+from tests.msa_train._util import FAST, REPO, env, read_metrics, run_cli, torchrun_launcher
 
 STEPS = 3
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launcher(n: int):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-            "--master-addr", "127.0.0.1", "--master-port", str(_port())]
+_launcher = torchrun_launcher
 
 
 @pytest.mark.slow

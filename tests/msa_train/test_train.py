@@ -2,12 +2,11 @@
 import json
 import re
 import signal
-import sys
 
 import pytest
 import torch
 
-from tests.msa_train._util import FAST, compose, read_metrics, run_cli, train
+from tests.msa_train._util import FAST, compose, read_metrics, run_cli, torchrun_launcher, train
 
 
 @pytest.mark.parametrize("attention", ["full", "nsa"])
@@ -153,12 +152,7 @@ def test_stop_signal_checkpoints_the_current_step_and_resumes(tmp_path, procs):
         args.append("logger=wandb")  # offline: the resume continues the same wandb run
     launcher = ()
     if procs > 1:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
-                    "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        launcher = torchrun_launcher(procs)
     out = run_cli(args, faults=[f"sigterm-at=2:{procs - 1}"], launcher=launcher, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "stop signal: stopped after step 2" in out.stdout + out.stderr

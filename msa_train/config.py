@@ -24,6 +24,10 @@ OPTIMIZERS = ("torch", "deepspeed")
 WANDB_MODES = ("offline", "online", "disabled")
 OBJECTIVES = ("lm", "dpo", "simpo", "orpo", "kto")  # all but lm train on preference pairs (msa_train/preference.py)
 PAIR_OBJECTIVES = ("dpo", "simpo", "orpo", "kto")
+WITH_REFERENCE = ("dpo", "kto")  # pair objectives that take the reference log-probabilities at the start
+# train.* settings of the pair objectives (each positive, but simpo_gamma, which may be 0)
+PREFERENCE_SETTINGS = ("dpo_beta", "simpo_beta", "simpo_gamma", "orpo_lambda", "kto_beta", "kto_desirable_weight",
+                       "kto_undesirable_weight")
 LOSS_IMPLS = ("fused", "recompute")  # msa_train/loss.py
 NONFINITE_POLICIES = ("stop", "skip")
 NSA_INITS = ("default", "distill")      # msa_train/models/distill.py
@@ -238,7 +242,7 @@ class TrainConfig:
     progress: bool = True                # rich progress bar on rank 0
     phase_times: bool = False            # records get forward_s / backward_s / step_s (3 host syncs per micro step)
     profile_step: int = 0                # > 0: torch.profiler over that optimizer step -> profile_step<N>.{json,md}
-    objective: str = "lm"                # lm (next-token loss: pretraining, SFT) | dpo | simpo | orpo (preference pairs)
+    objective: str = "lm"                # lm (next-token loss: pretraining, SFT) | dpo | simpo | orpo | kto (pairs)
     dpo_beta: float = 0.1                # DPO's beta: scale of the implicit reward
     simpo_beta: float = 2.0              # SimPO's beta: scale of the length-normalised reward
     simpo_gamma: float = 1.0             # SimPO's target reward margin
@@ -258,8 +262,7 @@ class TrainConfig:
             _at_least(f"train.{key}", getattr(self, key), 1, "an integer >= 1")
         for key in ("warmup_steps", "save_every", "keep_checkpoints", "profile_step", "plan_world_size"):
             _at_least(f"train.{key}", getattr(self, key), 0, "an integer >= 0")
-        for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "dpo_beta", "simpo_beta", "simpo_gamma",
-                    "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight"):
+        for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", *PREFERENCE_SETTINGS):
             _finite(f"train.{key}", getattr(self, key))
         for i, b in enumerate(self.betas):
             _finite(f"train.betas[{i}]", b)
@@ -277,7 +280,7 @@ class TrainConfig:
         _choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         if self.plan_gpu_gb is not None and not self.plan_gpu_gb > 0:
             raise ValueError(f"train.plan_gpu_gb={self.plan_gpu_gb!r} is not allowed; expected a positive number of GiB")
-        for key in ("dpo_beta", "simpo_beta", "orpo_lambda", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight"):
+        for key in (k for k in PREFERENCE_SETTINGS if k != "simpo_gamma"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"train.{key}={getattr(self, key)!r} is not allowed; expected a positive float")
         _at_least("train.simpo_gamma", self.simpo_gamma, 0.0, "a float >= 0")
@@ -421,8 +424,8 @@ def did_you_mean(key: str) -> str:
 
 
 # the annotations of RootConfig as strings (``from __future__ import annotations``)
-_FIELD_TYPES = {"ModelConfig": ModelConfig, "LoraConfig": LoraConfig, "AttentionConfig": AttentionConfig, "ParallelConfig": ParallelConfig,
-                "TrainConfig": TrainConfig, "LoggerConfig": LoggerConfig, "EvalConfig": EvalConfig}
+_FIELD_TYPES = {"ModelConfig": ModelConfig, "LoraConfig": LoraConfig, "AttentionConfig": AttentionConfig,
+                "ParallelConfig": ParallelConfig, "TrainConfig": TrainConfig, "LoggerConfig": LoggerConfig, "EvalConfig": EvalConfig}
 
 
 def _unknown_keys(node, prefix: str = "") -> List[str]:

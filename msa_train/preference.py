@@ -29,8 +29,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-PAIR_OBJECTIVES = ("dpo", "simpo", "orpo", "kto")
-WITH_REFERENCE = ("dpo", "kto")
+from msa_train.config import PAIR_OBJECTIVES, WITH_REFERENCE
 
 
 def _log_odds(mean_logp: torch.Tensor) -> torch.Tensor:

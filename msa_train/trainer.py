@@ -26,7 +26,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from msa_train.checkpoint import CheckpointManager, find_latest, safe_load, swap_in
-from msa_train.config import PAIR_OBJECTIVES, RootConfig
+from msa_train.config import PAIR_OBJECTIVES, PREFERENCE_SETTINGS, WITH_REFERENCE, RootConfig
 from msa_train.loss import IGNORE_INDEX
 from msa_train.metrics import (MetricsLogger, PhaseTimer, log_on_rank_zero_only, model_flops_per_token,
                                peak_memory_gb, peak_tflops)
@@ -71,9 +71,8 @@ def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
 # train.* settings that change the loss curve; the others (steps, output, logging, checkpoint
 # cadence) may change between a run and its resume.
 RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "warmup_steps", "weight_decay",
-                     "grad_clip", "seed", "precision", "loss_chunk_tokens", "loss_impl", "objective", "dpo_beta",
-                     "simpo_beta", "simpo_gamma", "orpo_lambda", "kto_beta", "kto_desirable_weight",
-                     "kto_undesirable_weight")
+                     "grad_clip", "seed", "precision", "loss_chunk_tokens", "loss_impl", "objective",
+                     *PREFERENCE_SETTINGS)
 
 
 def _later_settings() -> Dict[str, Any]:
@@ -83,8 +82,7 @@ def _later_settings() -> Dict[str, Any]:
     lora = json.loads(json.dumps(dataclasses.asdict(LoraConfig())))
     train = TrainConfig()
     return {**{f"model.lora.{k}": v for k, v in lora.items()},
-            **{f"train.{k}": getattr(train, k) for k in ("simpo_beta", "simpo_gamma", "orpo_lambda", "kto_beta",
-                                                         "kto_desirable_weight", "kto_undesirable_weight")}}
+            **{f"train.{k}": getattr(train, k) for k in PREFERENCE_SETTINGS if k != "dpo_beta"}}
 
 
 _LATER_SETTINGS = _later_settings()
@@ -135,7 +133,7 @@ def check_eval_config(saved: Dict[str, Any], current: Dict[str, Any], path) -> N
         attention = {k: v for k, v in rc.get("attention", {}).items() if k != "name"}
         attention["sparse"] = rc.get("attention", {}).get("name") != "full"  # NSA's parameters or none
         # ZeRO-3 partitions the weights by rank; DPO's and KTO's reference is stored per rank
-        per_rank = rc.get("zero_stage") == 3 or rc.get("train", {}).get("objective") in ("dpo", "kto")
+        per_rank = rc.get("zero_stage") == 3 or rc.get("train", {}).get("objective") in WITH_REFERENCE
         model = rc.get("model")
         if isinstance(model, dict) and "lora" not in model:  # written before LoRA: without it
             model = {**model, "lora": {k[len("model.lora."):]: v for k, v in _LATER_SETTINGS.items()
@@ -188,13 +186,13 @@ class Trainer:
 
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
-        self.dpo = cfg.train.objective in ("dpo", "kto")  # pairs with a reference (taken at the start)
         self.pairs = cfg.train.objective in PAIR_OBJECTIVES
+        self.with_reference = cfg.train.objective in WITH_REFERENCE  # taken once at the start (DPO, KTO)
         # seconds each build step took (summary.json's "startup_s"): on a GPU a benchmark point's
         # startup can take longer than its steps, and this says which step to look at
         self.startup_s: Dict[str, float] = {}
         steps = ["distributed", "data", "model", "parallelize", "optimizer", "checkpoint",
-                 *(["reference"] if self.dpo else []), "logger"]
+                 *(["reference"] if self.with_reference else []), "logger"]
         for name in steps:
             t0 = time.perf_counter()
             getattr(self, f"_build_{name}")()
@@ -680,15 +678,16 @@ class Trainer:
         taken at the run's start."""
         n = self._eval_count()
         shard = self._eval_shard(n)
-        reference = self._reference.get("eval", {}) if self.dpo else {}
-        if self.dpo:
+        reference = self._reference.get("eval", {}) if self.with_reference else {}
+        if self.with_reference:
             missing = torch.tensor(float(sum(counted and index not in reference for index, counted in shard)),
                                    device=self.device)
             dist.all_reduce(missing)  # every rank raises, or none
             if missing.item():
-                raise ValueError(f"{self.cfg.train.objective.upper()} evaluation: {int(missing.item())} held-out pairs have no reference "
-                                 "log-probabilities: the reference is taken when a run starts, for the evaluation "
-                                 "data, eval.max_sequences and number of processes it started with")
+                raise ValueError(f"{self.cfg.train.objective.upper()} evaluation: {int(missing.item())} held-out "
+                                 "pairs have no reference log-probabilities: the reference is taken when a run "
+                                 "starts, for the evaluation data, eval.max_sequences and number of processes it "
+                                 "started with")
         logps = torch.zeros(n, 2, device=self.device)
         ref = torch.zeros(n, 2)
         tokens = torch.zeros(n, 2)
@@ -699,12 +698,12 @@ class Trainer:
             if counted and first_of_group:
                 logps[index] = out
                 tokens[index] = m["response_tokens"]
-                if self.dpo:
+                if self.with_reference:
                     ref[index] = torch.tensor(reference[index])
-        ref, tokens = self._to_device(ref), self._to_device(tokens)
-        for t in (logps, ref, tokens):
+        ref, tokens = (self._to_device(ref) if self.with_reference else None), self._to_device(tokens)
+        for t in (logps, tokens, *([ref] if self.with_reference else [])):
             dist.all_reduce(t)
-        loss, margin = self._pair_loss(logps, tokens, ref if self.dpo else None)
+        loss, margin = self._pair_loss(logps, tokens, ref)
         return {"eval_loss": loss.mean().item(), "eval_reward_accuracy": (margin > 0).float().mean().item(),
                 "eval_reward_margin": margin.mean().item(), "eval_pairs": n}
 
@@ -817,13 +816,13 @@ class Trainer:
 
         def loss_of(m):
             ref = None
-            if self.dpo:
+            if self.with_reference:
                 if m["index"] not in self._reference:
-                    raise ValueError(f"{self.cfg.train.objective.upper()}: no reference log-probabilities for pair "
-                                     f"{m['index']}: this run's "
+                    name = self.cfg.train.objective.upper()
+                    raise ValueError(f"{name}: no reference log-probabilities for pair {m['index']}: this run's "
                                      f"reference covers the pairs of its first train.steps={self.cfg.train.steps} "
-                                     "steps as set when it started; extend a DPO run by starting a new one from its "
-                                     "hf/ export")
+                                     f"steps as set when it started; extend a {name} run by starting a new one from "
+                                     "its hf/ export")
                 ref = self._to_device(torch.tensor(self._reference[m["index"]]))
             logps = self._pair_logps(m)  # chosen, rejected: the engine returns per-segment losses
             loss, margin = self._pair_loss(logps, self._to_device(m["response_tokens"]), ref)

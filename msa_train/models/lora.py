@@ -18,7 +18,7 @@ merged (:func:`merged_state_dict`): ``W + (alpha / r) B A`` under the original p
 from __future__ import annotations
 
 import logging
-from typing import Dict, Iterable, Mapping, Tuple
+from typing import Dict, Mapping, Tuple
 
 import torch
 import torch.nn as nn
@@ -34,6 +34,11 @@ _NSA = ".nsa."
 
 def is_nsa_parameter(name: str) -> bool:
     return _NSA in f".{name}"
+
+
+def _nsa_trains(name: str, cfg: LoraConfig) -> bool:
+    """Whether NSA's parameter ``name`` trains: not under freeze, and not the gate's base under lora."""
+    return cfg.nsa != "freeze" and not (cfg.nsa == "lora" and f".{NSA_GATE}." in name)
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype) -> Tuple[int, int]:
@@ -70,11 +75,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype) -> Tuple[i
             # every trainable parameter and wants them in the model's dtype
             p.data = p.data.to(dtype)
             p.requires_grad_(True)
-        elif is_nsa_parameter(name) and cfg.nsa != "freeze":
-            # "lora": the gate's base weight (and bias) stay frozen under its adapters; phi trains
-            p.requires_grad_(not (cfg.nsa == "lora" and f".{NSA_GATE}." in name))
         else:
-            p.requires_grad_(False)
+            p.requires_grad_(is_nsa_parameter(name) and _nsa_trains(name, cfg))
     trainable = sum(_numel(p) for p in model.parameters() if p.requires_grad)
     total = sum(_numel(p) for p in model.parameters())
     return trainable, total
@@ -91,8 +93,7 @@ def count_trainable(model: nn.Module, cfg: LoraConfig) -> Tuple[int, int]:
         if isinstance(m, nn.Linear) and (leaf in targets or (cfg.nsa == "lora" and leaf == NSA_GATE
                                                                and is_nsa_parameter(f"{name}.weight"))):
             adapters += cfg.r * (m.in_features + m.out_features)
-    nsa = sum(_numel(p) for name, p in model.named_parameters()
-              if is_nsa_parameter(name) and cfg.nsa != "freeze" and not (cfg.nsa == "lora" and f".{NSA_GATE}." in name))
+    nsa = sum(_numel(p) for name, p in model.named_parameters() if is_nsa_parameter(name) and _nsa_trains(name, cfg))
     return adapters + nsa, adapters
 
 
@@ -100,15 +101,11 @@ def _numel(p: torch.Tensor) -> int:
     return int(getattr(p, "ds_numel", p.numel()))
 
 
-def lora_scaling(cfg: LoraConfig) -> float:
-    return cfg.alpha / cfg.r
-
-
 def merged_state_dict(state: Mapping[str, torch.Tensor], cfg: LoraConfig) -> Dict[str, torch.Tensor]:
     """A LoRA model's full state dict (``...q_proj.base_layer.weight``, ``...q_proj.lora_A.default.weight``,
     ...) as the plain model's: ``...q_proj.weight = W + (alpha / r) B A`` (computed in fp32, stored in
     W's dtype, on the host), adapters dropped, every other name as it was."""
-    scale = lora_scaling(cfg)
+    scale = cfg.alpha / cfg.r
     out: Dict[str, torch.Tensor] = {}
     for name, value in state.items():
         if ".lora_" in name:
@@ -126,6 +123,3 @@ def merged_state_dict(state: Mapping[str, torch.Tensor], cfg: LoraConfig) -> Dic
             out[name] = value
     return out
 
-
-def trainable_names(model: nn.Module) -> Iterable[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad]

@@ -67,24 +67,18 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, model_cfg, attention_cfg) -> "ModelShape":
-        """From the HF config the run would build, parameters counted on the meta device (no memory)."""
-        from transformers import AutoConfig
+        """From the model the run would build, on the meta device (no memory)."""
+        from msa_train.models import _head_dims, meta_model
 
-        from msa_train.models import _head_dims, count_parameters
-
-        if model_cfg.path is not None:
-            config = AutoConfig.from_pretrained(model_cfg.path)
-        else:
-            config = AutoConfig.for_model(model_cfg.model_type,
-                                          **{k: v for k, v in model_cfg.hf_config.items() if k != "model_type"})
+        model = meta_model(model_cfg, attention_cfg)
+        config = model.config
         heads, kv_heads, head_dim = _head_dims(config)
-        params, _ = count_parameters(model_cfg, attention_cfg)
+        params = sum(p.numel() for p in model.parameters())  # tied ones once, as count_parameters
         trainable = None
         if model_cfg.lora.enabled:
-            from msa_train.models import meta_model
             from msa_train.models.lora import count_trainable
 
-            trainable, adapters = count_trainable(meta_model(model_cfg, attention_cfg), model_cfg.lora)
+            trainable, adapters = count_trainable(model, model_cfg.lora)
             params += adapters  # new parameters beside the frozen ones
         return cls(params=params, hidden=config.hidden_size, intermediate=config.intermediate_size,
                    layers=config.num_hidden_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

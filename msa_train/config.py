@@ -22,12 +22,14 @@ BACKENDS = ("auto", "nccl", "gloo")
 LOGGERS = ("none", "wandb")
 OPTIMIZERS = ("torch", "deepspeed")
 WANDB_MODES = ("offline", "online", "disabled")
-OBJECTIVES = ("lm", "dpo", "simpo", "orpo", "kto")  # all but lm train on preference pairs (msa_train/preference.py)
+OBJECTIVES = ("lm", "dpo", "simpo", "orpo", "kto", "grpo")  # pairs: msa_train/preference.py; grpo: msa_train/grpo.py
 PAIR_OBJECTIVES = ("dpo", "simpo", "orpo", "kto")
 WITH_REFERENCE = ("dpo", "kto")  # pair objectives that take the reference log-probabilities at the start
 # train.* settings of the pair objectives (each positive, but simpo_gamma, which may be 0)
 PREFERENCE_SETTINGS = ("dpo_beta", "simpo_beta", "simpo_gamma", "orpo_lambda", "kto_beta", "kto_desirable_weight",
                        "kto_undesirable_weight")
+GRPO_REWARDS = ("exact", "prefix", "chars")  # msa_train/grpo.py
+GRPO_SETTINGS = ("grpo_group", "grpo_beta", "grpo_temperature", "grpo_max_new_tokens", "grpo_reward")
 LOSS_IMPLS = ("fused", "recompute")  # msa_train/loss.py
 NONFINITE_POLICIES = ("stop", "skip")
 NSA_INITS = ("default", "distill")      # msa_train/models/distill.py
@@ -250,6 +252,12 @@ class TrainConfig:
     kto_beta: float = 0.1                # KTO's beta: scale of the implicit reward
     kto_desirable_weight: float = 1.0    # KTO's lambda_D (the chosen responses) and lambda_U (the rejected ones)
     kto_undesirable_weight: float = 1.0
+    # GRPO (msa_train/grpo.py): per prompt a group of sampled completions, rewarded against its answer
+    grpo_group: int = 8                  # completions sampled per prompt (train.grad_accum prompts per rank and step)
+    grpo_beta: float = 0.04              # KL coefficient to the starting policy; 0 keeps no reference
+    grpo_temperature: float = 1.0        # sampling temperature of the rollouts
+    grpo_max_new_tokens: int = 32        # completion length cap (a completion also ends at EOS)
+    grpo_reward: str = "prefix"          # exact | prefix | chars (msa_train/grpo.py)
     deterministic: bool = False          # NSA's compressed attention on the bitwise deterministic Triton kernels, not cuDNN
     # memory planner (msa_train/parallel/planner.py): plan=true prints the predicted per-GPU peak and exits
     plan: bool = False
@@ -276,6 +284,13 @@ class TrainConfig:
         _at_least("train.weight_decay", self.weight_decay, 0.0, "a float >= 0 (0: no weight decay)")
         _choice("train.precision", self.precision, PRECISIONS)
         _choice("train.objective", self.objective, OBJECTIVES)
+        _choice("train.grpo_reward", self.grpo_reward, GRPO_REWARDS)
+        _at_least("train.grpo_group", self.grpo_group, 2, "an integer >= 2 (GRPO compares completions within a group)")
+        _at_least("train.grpo_max_new_tokens", self.grpo_max_new_tokens, 1, "an integer >= 1")
+        _at_least("train.grpo_beta", self.grpo_beta, 0.0, "a float >= 0 (0: no KL term)")
+        _finite("train.grpo_beta", self.grpo_beta)
+        if not (self.grpo_temperature > 0 and math.isfinite(self.grpo_temperature)):
+            raise ValueError(f"train.grpo_temperature={self.grpo_temperature!r} is not allowed; expected a positive float")
         _choice("train.loss_impl", self.loss_impl, LOSS_IMPLS)
         _choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         if self.plan_gpu_gb is not None and not self.plan_gpu_gb > 0:
@@ -364,11 +379,26 @@ class RootConfig:
         heads = self.model.hf_config.get("num_attention_heads") if self.model.path is None else None
         if self.parallel.sp_degree > 1 and heads is not None:  # a model.path's heads: checked by the trainer
             head_layout(heads, self.model.hf_config.get("num_key_value_heads") or heads, self.parallel.sp_degree)
-        on_pairs, pairs = self.train.objective in PAIR_OBJECTIVES, getattr(self.data, "format", None) == "preference"
+        fmt = getattr(self.data, "format", None)
+        on_pairs, pairs = self.train.objective in PAIR_OBJECTIVES, fmt in ("preference", "kto")
         if on_pairs != pairs:
             raise ValueError(f"train.objective={'|'.join(PAIR_OBJECTIVES)} and data.format=preference go together: "
                              "they train on preference pairs, and pairs train with one of them (got train.objective="
+                             f"{self.train.objective!r}, data.format={fmt!r})")
+        if fmt == "kto" and self.train.objective != "kto":
+            raise ValueError(f"data.format=kto holds unpaired examples (a completion and a good/bad label), which only "
+                             f"train.objective=kto trains on (got train.objective={self.train.objective!r}); "
+                             "the other pair objectives need data.format=preference")
+        grpo, prompts = self.train.objective == "grpo", getattr(self.data, "format", None) in ("prompts", "retrieval")
+        if grpo != prompts:
+            raise ValueError("train.objective=grpo and data.format=prompts|retrieval go together: GRPO samples "
+                             "completions of prompts and rewards them against their answers (got train.objective="
                              f"{self.train.objective!r}, data.format={getattr(self.data, 'format', None)!r})")
+        if grpo and (self.parallel.sp_degree > 1 or self.parallel.zero_stage == 3):
+            raise ValueError("train.objective=grpo samples with generate() on each rank's whole model: it needs "
+                             f"parallel.sp_degree=1 and parallel.zero_stage < 3 (got {self.parallel.sp_degree} and "
+                             f"{self.parallel.zero_stage}); for a model too big for one GPU, train LoRA adapters "
+                             "(model.lora.r) under ZeRO-2")
         ev, has_data = self.eval, self.data.has_eval or self.eval.passkey > 0
         if ev.retrieval and not self.data.has_eval:
             raise ValueError("eval.retrieval needs held-out documents for its haystack: set data.eval_path (files) "

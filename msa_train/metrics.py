@@ -66,7 +66,8 @@ def format_eval(record: Dict[str, Any]) -> str:
     parts = [f"eval step {record['step']}:"]
     for key, label, fmt in (("eval_loss", "loss", "{:.4f}"), ("eval_ppl", "ppl", "{:.2f}"),
                             ("eval_reward_accuracy", "reward acc", "{:.3f}"),
-                            ("eval_passkey_accuracy", "pass-key acc", "{:.3f}")):
+                            ("eval_passkey_accuracy", "pass-key acc", "{:.3f}"),
+                            ("eval_retrieval_accuracy", "retrieval acc", "{:.3f}"), ("eval_reward", "reward", "{:.3f}")):
         if record.get(key) is not None:
             parts.append(f"{label} {fmt.format(record[key])}")
     by_pos = [(k[len("eval_loss_pos_"):].replace("_", "-"), v) for k, v in record.items()
@@ -95,10 +96,10 @@ def json_line(record: Dict[str, Any], indent: Optional[int] = None) -> str:
 class PhaseTimer:
     """``train.phase_times``: seconds of each phase of a step (forward, backward, optimizer step) summed
     over the steps since the last log, for finding where a step's time goes (e.g. what host-side
-    optimizer state costs). Each phase starts and ends with a device synchronisation, so the times
+    optimizer state costs; GRPO's rollouts are "generate"). Each phase starts and ends with a device synchronisation, so the times
     are exact but the steps lose whatever overlap the host had with the device; off by default."""
 
-    NAMES = ("forward", "backward", "step")
+    NAMES = ("forward", "backward", "step", "generate")
 
     def __init__(self, device: torch.device, enabled: bool):
         self.enabled = enabled
@@ -270,7 +271,10 @@ class MetricsLogger:
         self._write(record)
         if self._progress is not None:
             mfu = record.get("mfu")
-            self._progress.update(self._task, completed=record["step"], loss="-" if record["loss"] is None else f"{record['loss']:.4f}",
+            loss = "-" if record["loss"] is None else f"{record['loss']:.4f}"
+            if record.get("reward") is not None:  # GRPO: the rollouts' reward says more than its loss
+                loss = f"reward {record['reward']:.3f}"
+            self._progress.update(self._task, completed=record["step"], loss=loss,
                                   tps=f"{record['tokens_per_s']:,.0f}",
                                   mfu="-" if mfu is None else f"{100 * mfu:.1f}%",
                                   mem=f"{record['peak_memory_gb']:.2f}")

@@ -16,7 +16,11 @@ objective's implicit reward prefers the chosen response (the reported reward acc
 - ``kto`` (Ethayarajh et al. 2024) on the two responses of a pair taken as one desirable and one
   undesirable example: with r = pi - ref and the reference point z0 (:func:`kto_reference_point`),
   the mean of lambda_D (1 - sigmoid(beta (r_c - z0))) and lambda_U (1 - sigmoid(beta (z0 - r_r)));
-  margin = beta (r_c - r_r), as DPO's. Needs the reference log-probabilities.
+  margin = beta (r_c - r_r), as DPO's. Needs the reference log-probabilities. On unpaired examples
+  (``desirable`` given, data.format=kto) the first column holds each example and the second its
+  padding: loss lambda_D (1 - sigmoid(beta (r - z0))) for a desirable example, lambda_U (1 -
+  sigmoid(beta (z0 - r))) for an undesirable one; margin beta (r - z0), negated for an undesirable
+  one, so that margin > 0 when the implicit reward sides with the label.
 
 Written here rather than taken from TRL: TRL's trainers compute these inside their own
 ``Trainer`` subclasses from full-vocabulary logits of padded batches, while ours come from the
@@ -54,13 +58,21 @@ def kto_reference_point(logps: torch.Tensor, ref: torch.Tensor, across_ranks: bo
 
 def pair_loss(objective: str, logps: torch.Tensor, tokens: torch.Tensor, ref: Optional[torch.Tensor] = None, *,
               beta: float = 0.1, simpo_gamma: float = 1.0, orpo_lambda: float = 0.1, kto_z0=None,
-              kto_weights: Tuple[float, float] = (1.0, 1.0)) -> Tuple[torch.Tensor, torch.Tensor]:
+              kto_weights: Tuple[float, float] = (1.0, 1.0), desirable: Optional[torch.Tensor] = None
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(loss, margin) per pair for ``objective`` (see the module doc); ``logps``, ``tokens`` and ``ref``
     have the pair (chosen, rejected) in the last dimension. ``beta`` is DPO's, SimPO's or KTO's;
-    ``kto_z0`` KTO's reference point and ``kto_weights`` its (lambda_D, lambda_U)."""
+    ``kto_z0`` KTO's reference point and ``kto_weights`` its (lambda_D, lambda_U); ``desirable``
+    (bool, KTO only) the labels of unpaired examples."""
     chosen, rejected = logps[..., 0], logps[..., 1]
     if objective in WITH_REFERENCE and ref is None:
         raise ValueError(f"pair_loss: {objective} needs the reference log-probabilities")
+    if desirable is not None:
+        if objective != "kto":
+            raise ValueError(f"pair_loss: unpaired examples (desirable=...) train with kto, not {objective}")
+        z = beta * (chosen - ref[..., 0] - (0.0 if kto_z0 is None else kto_z0))
+        loss = torch.where(desirable, kto_weights[0] * (1 - torch.sigmoid(z)), kto_weights[1] * torch.sigmoid(z))
+        return loss, torch.where(desirable, z, -z)
     if objective == "dpo":
         margin = beta * ((chosen - ref[..., 0]) - (rejected - ref[..., 1]))
         return -F.logsigmoid(margin), margin

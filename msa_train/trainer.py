@@ -26,7 +26,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from msa_train.checkpoint import CheckpointManager, find_latest, safe_load, swap_in
-from msa_train.config import PAIR_OBJECTIVES, PREFERENCE_SETTINGS, WITH_REFERENCE, RootConfig
+from msa_train.config import GRPO_SETTINGS, PAIR_OBJECTIVES, PREFERENCE_SETTINGS, WITH_REFERENCE, RootConfig
 from msa_train.loss import IGNORE_INDEX
 from msa_train.metrics import (MetricsLogger, PhaseTimer, log_on_rank_zero_only, model_flops_per_token,
                                peak_memory_gb, peak_tflops)
@@ -72,17 +72,19 @@ def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
 # cadence) may change between a run and its resume.
 RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "warmup_steps", "weight_decay",
                      "grad_clip", "seed", "precision", "loss_chunk_tokens", "loss_impl", "objective",
-                     *PREFERENCE_SETTINGS)
+                     *PREFERENCE_SETTINGS, *GRPO_SETTINGS)
 
 
 def _later_settings() -> Dict[str, Any]:
     """Settings added after checkpoints were first written, with the value those runs had."""
     from msa_train.config import LoraConfig, TrainConfig
+    from msa_train.data import DataConfig
 
     lora = json.loads(json.dumps(dataclasses.asdict(LoraConfig())))
-    train = TrainConfig()
+    train, data = TrainConfig(), DataConfig()
     return {**{f"model.lora.{k}": v for k, v in lora.items()},
-            **{f"train.{k}": getattr(train, k) for k in PREFERENCE_SETTINGS if k != "dpo_beta"}}
+            **{f"train.{k}": getattr(train, k) for k in (*PREFERENCE_SETTINGS, *GRPO_SETTINGS) if k != "dpo_beta"},
+            **{f"data.{k}": getattr(data, k) for k in ("answer_field", "tasks", "num_prompts")}}
 
 
 _LATER_SETTINGS = _later_settings()
@@ -188,11 +190,12 @@ class Trainer:
         self.cfg = cfg
         self.pairs = cfg.train.objective in PAIR_OBJECTIVES
         self.with_reference = cfg.train.objective in WITH_REFERENCE  # taken once at the start (DPO, KTO)
+        self.grpo = cfg.train.objective == "grpo"  # rollouts and rewards (msa_train/grpo.py)
         # seconds each build step took (summary.json's "startup_s"): on a GPU a benchmark point's
         # startup can take longer than its steps, and this says which step to look at
         self.startup_s: Dict[str, float] = {}
         steps = ["distributed", "data", "model", "parallelize", "optimizer", "checkpoint",
-                 *(["reference"] if self.with_reference else []), "logger"]
+                 *(["reference"] if self.with_reference else []), *(["grpo"] if self.grpo else []), "logger"]
         for name in steps:
             t0 = time.perf_counter()
             getattr(self, f"_build_{name}")()
@@ -494,6 +497,8 @@ class Trainer:
     def _batch_of(self, index: int, dataset=None) -> Dict[str, Any]:
         """Micro-batch of item ``index`` of ``dataset`` (the training data by default) on the host."""
         item = (self.dataset if dataset is None else dataset)[index]
+        if self.grpo:  # a prompt and its answer: the rollouts are made in the step
+            return {**item, "index": index}
         if not self.pairs:
             return self._make_batch(item)
         # segment 0 is prompt + chosen, 1 prompt + rejected, 2 the padding (packing.py)
@@ -502,7 +507,8 @@ class Trainer:
         # the responses' label tokens (SimPO and ORPO normalise by them), of the whole pair before any SP split
         labelled = next_token_targets(item["labels"], cu) != -100
         tokens = torch.stack([(labelled & (seg == s)).sum() for s in (0, 1)]).float()
-        return {**self._make_batch(item, seg, 3), "index": index, "response_tokens": tokens}
+        extra = {"desirable": torch.tensor(item["desirable"])} if "desirable" in item else {}  # unpaired KTO
+        return {**self._make_batch(item, seg, 3), "index": index, "response_tokens": tokens, **extra}
 
     def _make_batch(self, item: Dict[str, Any], segments: Optional[torch.Tensor] = None,
                     num_segments: int = 0) -> Dict[str, Any]:
@@ -532,7 +538,8 @@ class Trainer:
         """The engine's forward on micro-batch m (its host-only entries left out): the summed token
         loss, or with DPO's segments the loss per segment."""
         return self.engine(**{k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items()
-                              if k not in ("mean_context", "num_tokens", "index", "response_tokens")}, **kwargs)
+                              if k not in ("mean_context", "num_tokens", "index", "response_tokens", "desirable")},
+                           **kwargs)
 
     def _pair_logps(self, m: Dict[str, Any]) -> torch.Tensor:
         """Log-probabilities [2] of a pair's chosen and rejected sequences (segments 0 and 1 of micro-batch
@@ -568,7 +575,7 @@ class Trainer:
         self.module.eval()
         with torch.no_grad(), trusted_inputs():
             if self.eval_dataset is not None:
-                record.update(self._eval_pairs() if self.pairs else self._eval_lm())
+                record.update(self._eval_pairs() if self.pairs else self._eval_grpo() if self.grpo else self._eval_lm())
             if self.passkey_probes:
                 record.update(self._eval_passkey())
             if self.retrieval_probes:
@@ -661,16 +668,22 @@ class Trainer:
         return {"eval_retrieval_generate_probes": len(picks), "eval_retrieval_generate_accuracy": hits / len(picks),
                 "eval_retrieval_generate_agreement": agree / len(picks)}
 
-    def _pair_loss(self, logps: torch.Tensor, tokens: torch.Tensor, ref: Optional[torch.Tensor]):
+    def _pair_loss(self, logps: torch.Tensor, tokens: torch.Tensor, ref: Optional[torch.Tensor],
+                   desirable: Optional[torch.Tensor] = None):
+        """The pair objective's (loss, margin); ``desirable`` the labels of unpaired KTO examples."""
         from msa_train.preference import kto_reference_point, pair_loss
 
         t = self.cfg.train
         beta = {"dpo": t.dpo_beta, "kto": t.kto_beta}.get(t.objective, t.simpo_beta)
         # KTO's reference point from the examples at hand: a micro-batch's on every rank in training
-        # (a collective each micro step, as many on every rank), all held-out pairs in evaluation
-        z0 = kto_reference_point(logps, ref, across_ranks=logps.dim() == 1) if t.objective == "kto" else None
+        # (a collective each micro step, as many on every rank), all held-out pairs in evaluation;
+        # of unpaired examples only their first column (the second is their padding)
+        z0 = None
+        if t.objective == "kto":
+            both = (logps, ref) if desirable is None else (logps[..., :1], ref[..., :1])
+            z0 = kto_reference_point(*both, across_ranks=logps.dim() == 1)
         return pair_loss(t.objective, logps, tokens, ref, beta=beta, simpo_gamma=t.simpo_gamma,
-                         orpo_lambda=t.orpo_lambda, kto_z0=z0,
+                         orpo_lambda=t.orpo_lambda, kto_z0=z0, desirable=desirable,
                          kto_weights=(t.kto_desirable_weight, t.kto_undesirable_weight))
 
     def _eval_pairs(self) -> Dict[str, Any]:
@@ -691,6 +704,7 @@ class Trainer:
         logps = torch.zeros(n, 2, device=self.device)
         ref = torch.zeros(n, 2)
         tokens = torch.zeros(n, 2)
+        desirable = torch.zeros(n)  # unpaired KTO's labels (1: desirable)
         first_of_group = self.sp is None or self.sp.rank == 0  # an SP group's ranks hold the same sums
         for index, counted in shard:
             m = self._batch_of(index, self.eval_dataset)
@@ -698,12 +712,15 @@ class Trainer:
             if counted and first_of_group:
                 logps[index] = out
                 tokens[index] = m["response_tokens"]
+                desirable[index] = float(m.get("desirable", False))
                 if self.with_reference:
                     ref[index] = torch.tensor(reference[index])
         ref, tokens = (self._to_device(ref) if self.with_reference else None), self._to_device(tokens)
-        for t in (logps, tokens, *([ref] if self.with_reference else [])):
+        desirable = self._to_device(desirable)
+        for t in (logps, tokens, desirable, *([ref] if self.with_reference else [])):
             dist.all_reduce(t)
-        loss, margin = self._pair_loss(logps, tokens, ref)
+        unpaired = self.cfg.data.format == "kto"
+        loss, margin = self._pair_loss(logps, tokens, ref, desirable > 0.5 if unpaired else None)
         return {"eval_loss": loss.mean().item(), "eval_reward_accuracy": (margin > 0).float().mean().item(),
                 "eval_reward_margin": margin.mean().item(), "eval_pairs": n}
 
@@ -716,6 +733,8 @@ class Trainer:
         micro = [self._next_batch() for _ in range(gas)]
         if self.pairs:
             return self._pair_step(micro, lr)
+        if self.grpo:
+            return self._grpo_step(micro, lr)
         # Token-weighted loss: divide by the label tokens of the whole global batch. Counted on the
         # host, summed across ranks on the device (a collective, not a host sync).
         n_local = sum(int((m["targets"] != IGNORE_INDEX).sum()) for m in micro)
@@ -757,10 +776,13 @@ class Trainer:
             sums = stats if sums is None else sums + stats
         return sums, grad_norm
 
-    def _step_out(self, micro, lr, loss_sum, n_global, grad_norm, **extra) -> Dict[str, Any]:
-        """Counts the step and its tokens; the step's record before the host-side log."""
+    def _step_out(self, micro, lr, loss_sum, n_global, grad_norm, tokens: Optional[int] = None,
+                  **extra) -> Dict[str, Any]:
+        """Counts the step and its tokens (by default train.seq_len per sequence); the step's record
+        before the host-side log."""
         self.step += 1
-        tokens = len(micro) * self.layout.dp_size * self.cfg.train.seq_len  # the ranks of an SP group share sequences
+        if tokens is None:
+            tokens = len(micro) * self.layout.dp_size * self.cfg.train.seq_len  # an SP group's ranks share sequences
         self.tokens_seen += tokens
         return {"loss_sum": loss_sum, "n_global": n_global, "tokens": tokens, "lr": lr, "grad_norm": grad_norm,
                 "document_tokens": sum(m["num_tokens"] for m in micro),  # this rank's sequences
@@ -825,13 +847,126 @@ class Trainer:
                                      "its hf/ export")
                 ref = self._to_device(torch.tensor(self._reference[m["index"]]))
             logps = self._pair_logps(m)  # chosen, rejected: the engine returns per-segment losses
-            loss, margin = self._pair_loss(logps, self._to_device(m["response_tokens"]), ref)
+            desirable = self._to_device(m["desirable"]) if "desirable" in m else None
+            loss, margin = self._pair_loss(logps, self._to_device(m["response_tokens"]), ref, desirable)
             return loss, torch.stack([loss, (margin > 0).float(), margin]).detach()  # loss, reward accuracy, margin
 
         sums, grad_norm = self._micro_steps(micro, loss_of)
         n_pairs = torch.tensor(float(len(micro) * self.dist.world_size), device=self.device)
         return self._step_out(micro, lr, sums[0], n_pairs, grad_norm,
                               pair_sums={"reward_accuracy": sums[1], "reward_margin": sums[2]})
+
+    # ------------------------------------------------------------------ GRPO
+    def _build_grpo(self) -> None:
+        """GRPO's reference policy (msa_train/grpo.py): the starting values of the trainable parameters,
+        kept in ``<run>/grpo_reference.pt`` for resuming (written once, by rank 0, atomically). None
+        with ``train.grpo_beta=0`` or ``eval.only``, which need no reference."""
+        from msa_train.grpo import StartingWeights
+
+        self._grpo_reference = None
+        if self.cfg.train.grpo_beta == 0 or self.cfg.eval.only:
+            return
+        path = self.run_dir / "grpo_reference.pt"
+        state = None
+        if self.resumed_from is not None:
+            if not path.is_file():
+                raise ValueError(f"train.resume: {path} is missing: a GRPO run resumes with the starting weights of "
+                                 "its reference policy, written when it started")
+            state = safe_load(path, map_location="cpu")
+        self._grpo_reference = StartingWeights(self.model, state)
+        if state is None and self.dist.is_main:
+            tmp = path.with_suffix(".tmp")
+            torch.save({n: t.cpu() for n, t in self._grpo_reference.state.items()}, tmp)
+            os.replace(tmp, path)
+        if self.dist.is_main:
+            log.info("GRPO reference policy: the starting values of %s trainable parameters", format_count(
+                self._grpo_reference.numel()))
+
+    def _rollouts(self, micro: List[Dict[str, Any]]) -> tuple:
+        """Each prompt's group of sampled completions, rewarded and packed (msa_train/grpo.py): the
+        micro-batches to train on, and the step's rewards [prompts, G] on the host."""
+        from msa_train.data.tokenizer import pad_token_id
+        from msa_train.grpo import REWARDS, group_advantages, pack_group, sample_group
+
+        t, tok = self.cfg.train, self.tokenizer
+        reward = REWARDS[t.grpo_reward]
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        batches, rewards = [], []
+        self.module.eval()
+        with torch.no_grad():
+            for m in micro:
+                completions = sample_group(self.model, self._to_device(m["prompt_ids"]), t.grpo_group,
+                                           t.grpo_max_new_tokens, t.grpo_temperature, pad_token_id(tok), eos)
+                r = torch.tensor([reward(text, m["answer"]) for text in
+                                  tok.batch_decode(completions, skip_special_tokens=True)])
+                packed = pack_group(m["prompt_ids"], completions, group_advantages(r))
+                T = packed["input_ids"].shape[0]
+                batch = self._make_batch(packed, torch.arange(T), T)  # one segment per token: per-token losses
+                batch["advantages"] = packed["advantages"]
+                batches.append(batch)
+                rewards.append(r)
+        self.module.train()
+        return batches, torch.stack(rewards)
+
+    def _grpo_step(self, micro: List[Dict[str, Any]], lr: float) -> Dict[str, Any]:
+        """One optimizer step of GRPO (msa_train/grpo.py): rollouts of this rank's prompts, then the
+        token-level loss over every completion token of the global batch. Generation is host-driven
+        (generate() decides every token on the host), so unlike the other objectives this step syncs."""
+        from msa_train.grpo import grpo_token_loss
+
+        t, gas, world = self.cfg.train, self.cfg.train.grad_accum, self.dist.world_size
+        t0 = time.perf_counter()
+        with self._phases.phase("generate"):
+            batches, rewards = self._rollouts(micro)
+        generate_s = time.perf_counter() - t0
+        # this rank's completion tokens (the loss's tokens) and rollout tokens, then the global batch's
+        local = torch.tensor([float(sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in batches)),
+                              float(sum(b["num_tokens"] for b in batches))], dtype=torch.float64)
+        counts = self._to_device(local.clone())
+        dist.all_reduce(counts)
+        n_global = counts[0].float()
+
+        def loss_of(m):
+            ref = None
+            if self._grpo_reference is not None:  # the starting policy's -log pi: its weights swapped in
+                with torch.no_grad(), self._grpo_reference.swapped_in():
+                    ref = self.module(**{k: self._to_device(v) if torch.is_tensor(v) else v for k, v in m.items()
+                                         if k not in ("mean_context", "num_tokens", "advantages")})
+            nll = self._forward({k: v for k, v in m.items() if k != "advantages"})  # [T]: a segment per token
+            mask = self._to_device(m["targets"][0] != IGNORE_INDEX)
+            loss, kl = grpo_token_loss(nll, self._to_device(m["advantages"]), mask, ref, t.grpo_beta)
+            return loss * (world * gas) / n_global.clamp_min(1.0), torch.stack([loss.detach(), kl])
+
+        sums, grad_norm = self._micro_steps(batches, loss_of)
+        on = self._to_device
+        completions = float(rewards.numel())
+        means = {"reward": (on(rewards.sum()), on(torch.tensor(completions))),
+                 "reward_std": (on(rewards.std(dim=1, unbiased=False).sum()), on(torch.tensor(float(len(micro))))),
+                 "kl": (sums[1], on(local[0])),
+                 "completion_tokens": (on(local[0]), on(torch.tensor(completions)))}
+        return self._step_out(batches, lr, sums[0], n_global, grad_norm, tokens=int(counts[1].item()), means=means,
+                              host={"generate_s": generate_s,
+                                    "generate_tokens_per_s": local[0].item() / max(generate_s, 1e-9)})
+
+    def _eval_grpo(self) -> Dict[str, Any]:
+        """The mean reward of greedy completions of the held-out prompts (one per prompt)."""
+        from msa_train.data.tokenizer import pad_token_id
+        from msa_train.grpo import REWARDS, greedy_completion
+
+        t, tok = self.cfg.train, self.tokenizer
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        n = self._eval_count()
+        total = torch.zeros(2, dtype=torch.float64)
+        for index, counted in self._eval_shard(n):
+            item = self.eval_dataset[index]
+            ids = greedy_completion(self.model, self._to_device(item["prompt_ids"]), t.grpo_max_new_tokens,
+                                    pad_token_id(tok), eos)
+            if counted:
+                total += torch.tensor([REWARDS[t.grpo_reward](tok.decode(ids, skip_special_tokens=True),
+                                                              item["answer"]), 1.0], dtype=torch.float64)
+        total = self._to_device(total)
+        dist.all_reduce(total)
+        return {"eval_reward": (total[0] / total[1].clamp_min(1)).item(), "eval_prompts": n}
 
     def _profiled_step(self) -> Dict[str, Any]:
         """``train.profile_step``: the step under torch.profiler; rank 0 writes the device time by
@@ -877,6 +1012,11 @@ class Trainer:
             value = value.clone()
             dist.all_reduce(value)
             extra[name] = (value / out["n_global"]).item()
+        for name, (total, count) in out.get("means", {}).items():  # GRPO: sums and counts over the ranks
+            both = torch.stack([total.double(), count.double()])
+            dist.all_reduce(both)
+            extra[name] = (both[0] / both[1].clamp_min(1)).item()
+        extra.update(out.get("host", {}))  # rank 0's host-side numbers (GRPO's generation time)
         grad_norm = out["grad_norm"] if out["grad_norm"] is not None else self.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
         tokens_per_s = tokens / max(elapsed, 1e-9)
@@ -1126,4 +1266,14 @@ class Trainer:
             "peak_memory_gb": peak_memory_gb(self.device), "wall_time_s": time.perf_counter() - self._t0,
             "tokens_seen": self.tokens_seen, "resumed_from": self.resumed_from, "startup_s": self.startup_s,
             "fused_ops": self.fused_ops,  # parallel.fused_ops as it ran (null: on for CUDA)
+            **self._reward_summary(records),
         }
+
+    @staticmethod
+    def _reward_summary(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """GRPO: the mean rollout reward of the first and of the last quarter of the logged steps."""
+        rewards = [r["reward"] for r in records if r.get("reward") is not None]
+        if not rewards:
+            return {}
+        k = max(1, len(rewards) // 4)
+        return {"first_reward": sum(rewards[:k]) / k, "final_reward": sum(rewards[-k:]) / k}

@@ -2,7 +2,7 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e report plancheck lora longest phases fusedops nsa selected variants ncu quality
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e report plancheck lora grpo longest phases fusedops nsa selected variants ncu quality
 # The maintainers copy a stage's files to benchmarks/results/<benchmark>/latest.* (docs/performance.md
 # lists which stage writes which benchmark). (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
 # longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
@@ -46,6 +46,18 @@ for stage in $stages; do
       timeout "${LORA_TIMEOUT:-420}" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "${LORA_ATTN:-full,fmsa}" \
         --seq-lens "${LORA_LENS:-65536}" --steps 3 --warmup 1 --timeout "${LORA_POINT_TIMEOUT:-200}" \
         --out "$OUT/lora_llama3_8b_h200" -- model.lora.r=16 model.lora.alpha=32 2>&1 | tail -15 | tee "$OUT/lora.log" ;;
+    grpo)   # GRPO (msa_train/grpo.py) on Llama3-8B at full depth with LoRA (r=16), GRPO_LEN-token pass-key prompts,
+            # 8 completions each, full vs fmsa: generation tokens/s, step time and reward per step (random
+            # weights: the reward stays near 0, the timings are what this measures)
+      for attn in ${GRPO_ATTN:-full fmsa}; do
+        timeout "${GRPO_TIMEOUT:-270}" python3 -m msa_train.cli recipe=llama3_8b_64k data=retrieval attention=$attn \
+          model.lora.r=16 model.lora.alpha=32 train.seq_len="${GRPO_LEN:-16384}" train.grad_accum=1 train.grpo_group=8 \
+          train.grpo_max_new_tokens=32 train.grpo_reward=chars train.steps="${GRPO_STEPS:-6}" train.save_final=false \
+          train.save_hf=false train.progress=false data.num_prompts=64 data.num_docs=32 data.min_doc_tokens=8192 \
+          data.max_doc_tokens=65536 train.output_dir="$OUT/grpo_llama3_8b_lora_$attn" 2>&1 | grep -v "^$" | tail -6
+        cp "$OUT/grpo_llama3_8b_lora_$attn/metrics.jsonl" "$OUT/grpo_${attn}_metrics.jsonl" 2>/dev/null
+        rm -rf "$OUT/grpo_llama3_8b_lora_$attn"
+      done 2>&1 | tee "$OUT/grpo.log" ;;
     longest)  # the longest sequences that train: Llama3-8B layer shapes (4 layers), 2 steps per point,
               # with the memory options (host-held layer inputs, tiled MLPs and norms, host optimizer state)
       timeout "${LONG_TIMEOUT:-560}" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "${LONG_ATTN:-fmsa}" \

@@ -5,10 +5,11 @@ dataclass can be registered as a Hydra structured config as it is.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-FORMATS = ("generated", "pretrain", "sft", "preference")
+FORMATS = ("generated", "pretrain", "sft", "preference", "kto", "prompts", "retrieval")
+PROMPT_FORMATS = ("prompts", "retrieval")  # prompts with answers, for GRPO (msa_train/data/prompts.py)
 FILE_TYPES = ("jsonl", "json", "parquet", "txt")
 TEXT_SAMPLE_BY = ("document", "paragraph", "line")
 LONG_PROMPT = ("truncate_left", "drop", "error")  # msa_train/data/sft.py
@@ -22,7 +23,10 @@ class DataConfig:
         format: "generated" (built-in long-document corpus, no files), "pretrain"
             (plain documents), "sft" (prompt/response or chat-messages records,
             loss on the response / assistant turns only) or "preference"
-            (prompt/chosen/rejected pairs, tokenised and validated for a later trainer).
+            (prompt/chosen/rejected pairs), "kto" (unpaired prompt/completion/label examples);
+            for GRPO "prompts" (prompt/answer records) or "retrieval" (prompts of the
+            retrieval tasks of msa_train/quality/tasks.py over a haystack of ``path``'s
+            documents, read as pretrain, or of the generated corpus when there is no path).
         path: file or directory, or a list of them. Directories are searched
             recursively for *.jsonl, *.json, *.parquet and *.txt files.
         file_type: overrides the type detected from each file's extension.
@@ -31,6 +35,11 @@ class DataConfig:
             (and the prompt of preference records).
         messages_field: the field of chat records: a list of {"role", "content"}.
         chosen_field / rejected_field: the two responses of a preference record.
+        answer_field: the answer of a prompts record, which GRPO's reward checks.
+        completion_field / label_field: an unpaired KTO record's completion and its label
+            (true: desirable, false: undesirable), beside its prompt (``prompt_field``).
+        tasks / num_prompts: the retrieval tasks (of msa_train/quality/tasks.py) and how many
+            prompts data.format=retrieval draws (train.seq_len tokens each, answer included).
         text_sample_by: how a .txt file is cut into documents: one "document" per
             file, one per blank-line separated "paragraph", or one per "line".
         tokenizer: None (the model's tokenizer when model.path is given, else the
@@ -66,6 +75,11 @@ class DataConfig:
     messages_field: str = "messages"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
+    answer_field: str = "answer"
+    completion_field: str = "completion"
+    label_field: str = "label"
+    tasks: List[str] = field(default_factory=lambda: ["passkey"])
+    num_prompts: int = 256
     text_sample_by: str = "document"
     tokenizer: Optional[str] = None
     add_bos: bool = True
@@ -89,7 +103,16 @@ class DataConfig:
         if self.text_sample_by not in TEXT_SAMPLE_BY:
             raise ValueError(f"data.text_sample_by={self.text_sample_by!r} is not one of {list(TEXT_SAMPLE_BY)}")
         self.path = _normalise_path(self.path)
-        if self.format == "generated":
+        if self.format == "retrieval":
+            from msa_train.quality.tasks import check_tasks
+
+            check_tasks(list(self.tasks), "data.tasks")
+            if self.num_prompts < 2:
+                raise ValueError(f"data.num_prompts={self.num_prompts} must be >= 2")
+            if self.eval_path:
+                raise ValueError("data.eval_path does not go with data.format=retrieval: its held-out prompts are "
+                                 "drawn apart (data.eval_fraction of data.num_prompts)")
+        elif self.format == "generated":
             if self.path:
                 raise ValueError("data.path must be empty with data.format='generated'; "
                                  f"use format in {list(FORMATS[1:])} to read files")
@@ -119,7 +142,7 @@ class DataConfig:
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc={self.num_proc} must be >= 1")
         for name in ("text_field", "prompt_field", "response_field", "messages_field",
-                     "chosen_field", "rejected_field"):
+                     "chosen_field", "rejected_field", "answer_field", "completion_field", "label_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"data.{name} must be a non-empty string, got {getattr(self, name)!r}")
 

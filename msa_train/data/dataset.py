@@ -9,11 +9,12 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from .config import DataConfig
+from .config import PROMPT_FORMATS, DataConfig
 from .generated import generate_corpus
-from .packing import PackedDataset, PreferencePairDataset, plan_packing
+from .packing import KtoExampleDataset, PackedDataset, PreferencePairDataset, plan_packing
+from .prompts import build_prompt_datasets
 from .sft import apply_long_prompt_policy, trained_per_record
-from .sources import column, load_records
+from .sources import column, load_records, split_held_out
 from .tokenization import tokenize_dataset
 from .tokenizer import pad_token_id
 
@@ -56,21 +57,13 @@ def build_packed_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, s
     """
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
+    if cfg.format in PROMPT_FORMATS:  # GRPO's prompts: not packed
+        return build_prompt_datasets(cfg, tokenizer, seq_len, train)
     records, report, eval_records = None, None, None
     if train or cfg.eval_fraction > 0:
         records, report = _records(cfg)
     if cfg.eval_fraction > 0:
-        n = len(records)
-        n_eval = max(1, round(cfg.eval_fraction * n))
-        if n_eval >= n:
-            raise ValueError(f"data.eval_fraction={cfg.eval_fraction} holds out {n_eval} of the {n} documents: "
-                             "none would be left to train on; lower it or add data")
-        # its own stream of the seed (the packing uses the seed itself)
-        held = np.sort(np.random.default_rng([cfg.seed, 1]).permutation(n)[:n_eval])
-        keep = np.setdiff1d(np.arange(n), held)
-        records, eval_records = records.select(keep), records.select(held)
-        logger.info("data: %d of %d documents held out for evaluation (data.eval_fraction=%g)", n_eval, n,
-                    cfg.eval_fraction)
+        records, eval_records = split_held_out(records, cfg)
     elif cfg.eval_path:
         eval_records, _ = _records(dataclasses.replace(cfg, path=cfg.eval_path, eval_path=None))
     train_ds = None
@@ -105,6 +98,15 @@ def _pack(tokens: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTokeni
                            "responses and the end of their prompt, %d have responses that alone do not fit and are "
                            "cut from the right too; raise seq_len to keep them whole", ds.num_truncated, len(ds), what,
                            seq_len, ds.num_truncated - ds.num_response_cut, ds.num_response_cut)
+        return ds
+    if cfg.format == "kto":
+        ds = KtoExampleDataset(tokens, seq_len, pad_id, tokenizer.bos_token_id if cfg.add_bos else None)
+        desirable = int(np.sum(column(tokens, "desirable", numpy=True)))
+        logger.info("data (%s): %d KTO examples, %d desirable and %d undesirable", what, len(ds), desirable,
+                    len(ds) - desirable)
+        if ds.num_truncated:
+            logger.warning("data: %d of %d %s KTO examples are longer than seq_len=%d: they keep their completion "
+                           "and the end of their prompt", ds.num_truncated, len(ds), what, seq_len)
         return ds
     if cfg.format == "sft":
         tokens = apply_long_prompt_policy(tokens, cfg.long_prompt, seq_len,

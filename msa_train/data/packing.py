@@ -198,6 +198,42 @@ class PreferencePairDataset(torch.utils.data.Dataset):
         return _item(sides, self.seq_len, self.pad_id)
 
 
+class KtoExampleDataset(torch.utils.data.Dataset):
+    """Unpaired KTO examples, one per item: segment 0 is prompt + completion, then the padding;
+    ``desirable`` (bool) is its label. As pairs, deliberately not packed together. An example
+    longer than T keeps its completion and the end of its prompt (:func:`fit_example`);
+    ``num_truncated`` counts them. Items have the packed-item keys above, and ``desirable``."""
+
+    def __init__(self, tokens: datasets.Dataset, seq_len: int, pad_id: int, bos_id=None):
+        self.tokens = tokens.with_format("numpy", columns=["input_ids", "labels", "desirable"])
+        self.seq_len, self.pad_id, self.bos_id = seq_len, pad_id, bos_id
+        self.num_truncated = int((column(tokens, "length", numpy=True) > seq_len).sum())
+        self.report = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.tokens[i]
+        ids, lab = fit_example(row["input_ids"], row["labels"], self.seq_len, self.bos_id)
+        return {**_item([(ids, lab)], self.seq_len, self.pad_id), "desirable": bool(row["desirable"])}
+
+
+def fit_example(ids: np.ndarray, lab: np.ndarray, seq_len: int, bos_id=None) -> tuple:
+    """An example cut to ``seq_len`` tokens: its prompt (the tokens before the first label) loses its
+    beginning, after a leading BOS, until the completion fits whole; a completion longer than that
+    is cut from the right. An example that fits is unchanged. Returns (ids, labels)."""
+    if len(ids) <= seq_len:
+        return ids, lab
+    trained = np.flatnonzero(lab != IGNORE_INDEX)
+    lp = int(trained[0]) if len(trained) else len(lab)
+    head = 1 if bos_id is not None and lp and ids[0] == bos_id else 0
+    keep_p = min(lp - head, max(0, seq_len - (len(ids) - lp) - head))
+    keep_c = seq_len - head - keep_p
+    parts = (slice(0, head), slice(lp - keep_p, lp), slice(lp, lp + keep_c))
+    return np.concatenate([ids[p] for p in parts]), np.concatenate([lab[p] for p in parts])
+
+
 def fit_pair(c_ids: np.ndarray, c_lab: np.ndarray, r_ids: np.ndarray, r_lab: np.ndarray, seq_len: int,
              bos_id=None) -> tuple:
     """The two sides of a pair, cut to fit ``seq_len`` tokens together.

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import datasets
+import numpy as np
 
 from .config import DataConfig, FILE_TYPES
 
@@ -44,6 +45,8 @@ def record_features(fmt: str) -> datasets.Features:
         "generated": {"text": s},
         "sft": {"prompt": s, "response": s, "messages": _MESSAGES},
         "preference": {"prompt": s, "chosen": s, "rejected": s},
+        "prompts": {"prompt": s, "answer": s},
+        "kto": {"prompt": s, "completion": s, "label": datasets.Value("bool")},
     }[fmt]
     return datasets.Features({**cols, SOURCE_COL: s, ERROR_COL: s})
 
@@ -75,7 +78,7 @@ def resolve_files(cfg: DataConfig) -> list[tuple[str, str]]:
             files.append((path, _file_type(path, cfg)))
         else:
             raise ValueError(f"data.path={path!r} does not exist (a local file or directory is expected)")
-    if cfg.format == "sft" or cfg.format == "preference":
+    if cfg.format in ("sft", "preference", "prompts", "kto"):
         txt = [f for f, t in files if t == "txt"]
         if txt:
             raise ValueError(f"data.format={cfg.format!r} needs structured records, but {txt[0]!r} is plain "
@@ -182,7 +185,9 @@ def _raw_records(path: str, ftype: str, cfg: DataConfig) -> Iterator[tuple[str, 
 def _field_settings(cfg: DataConfig) -> list[str]:
     """The data.* settings that name the fields of ``cfg.format``."""
     return {"sft": ["messages_field", "prompt_field", "response_field"],
-            "preference": ["prompt_field", "chosen_field", "rejected_field"]}.get(cfg.format, ["text_field"])
+            "preference": ["prompt_field", "chosen_field", "rejected_field"],
+            "prompts": ["prompt_field", "answer_field"],
+            "kto": ["prompt_field", "completion_field", "label_field"]}.get(cfg.format, ["text_field"])
 
 
 def _record_fields(cfg: DataConfig) -> list[str]:
@@ -191,6 +196,10 @@ def _record_fields(cfg: DataConfig) -> list[str]:
         return [cfg.messages_field, cfg.prompt_field, cfg.response_field]
     if cfg.format == "preference":
         return [cfg.prompt_field, cfg.chosen_field, cfg.rejected_field]
+    if cfg.format == "prompts":
+        return [cfg.prompt_field, cfg.answer_field]
+    if cfg.format == "kto":
+        return [cfg.prompt_field, cfg.completion_field, cfg.label_field]
     return [cfg.text_field]
 
 
@@ -328,12 +337,23 @@ def validate_record(rec: Any, cfg: DataConfig) -> dict:
     if fmt == "preference":
         return {"prompt": _get_str(rec, cfg.prompt_field, allow_empty=True),
                 "chosen": _get_str(rec, cfg.chosen_field), "rejected": _get_str(rec, cfg.rejected_field)}
+    if fmt == "prompts":
+        return {"prompt": _get_str(rec, cfg.prompt_field), "answer": _get_str(rec, cfg.answer_field)}
+    if fmt == "kto":
+        label = rec.get(cfg.label_field, "missing")
+        if not isinstance(label, bool):
+            raise _Bad(f"field {cfg.label_field!r} must be true (a desirable completion) or false (undesirable), got "
+                       + ("nothing (missing field)" if label == "missing" else f"{label!r}"))
+        return {"prompt": _get_str(rec, cfg.prompt_field, allow_empty=True),
+                "completion": _get_str(rec, cfg.completion_field), "label": label}
     raise AssertionError(fmt)
 
 
 def _empty_record(fmt: str) -> dict:
     return {"text": ""} if fmt in ("pretrain", "generated") else \
         {"prompt": "", "response": "", "messages": []} if fmt == "sft" else \
+        {"prompt": "", "answer": ""} if fmt == "prompts" else \
+        {"prompt": "", "completion": "", "label": False} if fmt == "kto" else \
         {"prompt": "", "chosen": "", "rejected": ""}
 
 
@@ -457,5 +477,23 @@ def column(ds: datasets.Dataset, name: str, numpy: bool = False) -> Any:
 def _validation_fields(cfg: DataConfig) -> dict:
     """The config fields that decide how records are read: the cache key of ``load_records``."""
     keys = ("format", "path", "file_type", "text_field", "prompt_field", "response_field", "messages_field",
-            "chosen_field", "rejected_field", "text_sample_by")
+            "chosen_field", "rejected_field", "answer_field", "completion_field", "label_field", "text_sample_by")
     return {k: getattr(cfg, k) for k in keys}
+
+
+def split_held_out(records: datasets.Dataset, cfg: DataConfig):
+    """(records to train on, records held out) by ``cfg.eval_fraction``: a seeded choice of whole
+    records from its own stream of ``cfg.seed`` (the packing uses the seed itself); None held out
+    without a fraction."""
+    if not cfg.eval_fraction:
+        return records, None
+    n = len(records)
+    n_eval = max(1, round(cfg.eval_fraction * n))
+    if n_eval >= n:
+        raise ValueError(f"data.eval_fraction={cfg.eval_fraction} holds out {n_eval} of the {n} documents: "
+                         "none would be left to train on; lower it or add data")
+    held = np.sort(np.random.default_rng([cfg.seed, 1]).permutation(n)[:n_eval])
+    keep = np.setdiff1d(np.arange(n), held)
+    logger.info("data: %d of %d documents held out for evaluation (data.eval_fraction=%g)", n_eval, n,
+                cfg.eval_fraction)
+    return records.select(keep), records.select(held)

@@ -19,6 +19,8 @@ IGNORE_INDEX = -100
 _CONTENT_MARK = "\ue000msa-train-content\ue000"  # private-use characters: no template or text has them
 _IDS = datasets.Sequence(datasets.Value("int32"))
 TOKEN_FEATURES = datasets.Features({"input_ids": _IDS, "labels": _IDS, "length": datasets.Value("int32")})
+KTO_FEATURES = datasets.Features({"input_ids": _IDS, "labels": _IDS, "length": datasets.Value("int32"),
+                                 "desirable": datasets.Value("bool")})
 PREFERENCE_FEATURES = datasets.Features({
     "chosen_input_ids": _IDS, "chosen_labels": _IDS, "rejected_input_ids": _IDS, "rejected_labels": _IDS,
     "length": datasets.Value("int32")})
@@ -197,6 +199,18 @@ def _tokenize_preference(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bo
     return out
 
 
+def _tokenize_kto(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> dict:
+    """Unpaired KTO examples: BOS + prompt (masked) + completion + EOS (trained), and the label."""
+    bos, eos = _bos(tokenizer, add_bos), [tokenizer.eos_token_id]
+    out: dict = {k: [] for k in KTO_FEATURES}
+    for p, c in zip(_encode(tokenizer, batch["prompt"]), _encode(tokenizer, batch["completion"])):
+        out["input_ids"].append(bos + p + c + eos)
+        out["labels"].append([IGNORE_INDEX] * (len(bos) + len(p)) + c + eos)
+        out["length"].append(len(bos) + len(p) + len(c) + 1)
+    out["desirable"] = list(batch["label"])
+    return out
+
+
 def tokenize_dataset(ds: datasets.Dataset, fmt: str, tokenizer: PreTrainedTokenizerBase, add_bos: bool = True,
                      num_proc: int = 1, desc: Optional[str] = None) -> datasets.Dataset:
     """Validated records -> ``input_ids`` / ``labels`` / ``length`` (preference: per side).
@@ -205,8 +219,8 @@ def tokenize_dataset(ds: datasets.Dataset, fmt: str, tokenizer: PreTrainedTokeni
     ``datasets`` under a fingerprint of the records, the tokenizer and this function.
     """
     fn = {"generated": _tokenize_pretrain, "pretrain": _tokenize_pretrain, "sft": _tokenize_sft,
-          "preference": _tokenize_preference}[fmt]
-    features = PREFERENCE_FEATURES if fmt == "preference" else TOKEN_FEATURES
+          "preference": _tokenize_preference, "kto": _tokenize_kto}[fmt]
+    features = {"preference": PREFERENCE_FEATURES, "kto": KTO_FEATURES}.get(fmt, TOKEN_FEATURES)
     return ds.map(fn, batched=True, batch_size=256, fn_kwargs={"tokenizer": tokenizer, "add_bos": add_bos},
                   remove_columns=ds.column_names, features=features,
                   num_proc=num_proc if num_proc > 1 else None, desc=desc or "tokenizing")

@@ -381,8 +381,15 @@ def plan_of_config(cfg, world_size: Optional[int] = None, gpu_gb: Optional[float
         raise ValueError(f"train.plan_world_size={world} must be a multiple of parallel.sp_degree="
                          f"{cfg.parallel.sp_degree}")
     bf16 = t.precision == "bf16" or (t.precision == "auto" and on_cuda)
-    work = Workload(seq_len=t.seq_len, attention=cfg.attention.name, world_size=world, bf16=bf16,
-                    loss_chunk_tokens=t.loss_chunk_tokens, loss_impl=t.loss_impl,
+    seq_len, loss_impl = t.seq_len, t.loss_impl
+    if t.objective == "grpo":
+        # GRPO trains a prompt's group of completions as one packed row of grpo_group x (prompt +
+        # completion) tokens, with per-token losses (the recompute form). Its generation holds a KV
+        # cache of those tokens, 2 x kv_heads x head_dim / hidden of the layer inputs that activation
+        # checkpointing keeps for them (0.5 for Llama-3-8B): the loss pass is the peak.
+        seq_len, loss_impl = t.grpo_group * (t.seq_len + t.grpo_max_new_tokens), "recompute"
+    work = Workload(seq_len=seq_len, attention=cfg.attention.name, world_size=world, bf16=bf16,
+                    loss_chunk_tokens=t.loss_chunk_tokens, loss_impl=loss_impl,
                     cmp_stride=cfg.attention.cmp_stride, slc_topk=cfg.attention.slc_topk)
     shape = ModelShape.from_config(cfg.model, cfg.attention)
     return plan(shape, Options.from_config(cfg, on_cuda), work, gpu_gb or t.plan_gpu_gb or visible_gpu_gb(),

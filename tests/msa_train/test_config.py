@@ -8,7 +8,7 @@ from msa_train.config import ParallelConfig, TrainConfig
 from msa_train.parallel import build_deepspeed_config
 from tests.msa_train._util import compose, run_cli
 
-RECIPES = ["tiny", "tiny_qwen3", "llama3_8b_64k", "qwen3_14b_1m", "qwen25_32b_128k", "llama3_8b_sft_longdoc",
+RECIPES = ["tiny", "tiny_qwen3", "tiny_grpo", "llama3_8b_64k", "qwen3_14b_1m", "qwen25_32b_128k", "llama3_8b_sft_longdoc",
            "llama3_8b_lora_longdoc", "quality_170m"]
 
 

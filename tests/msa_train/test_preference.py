@@ -1,5 +1,6 @@
 """The reference-free preference objectives (train.objective=simpo|orpo, msa_train/preference.py):
 their losses against values computed by hand, and tiny CPU runs that learn a toy preference."""
+import json
 import math
 
 import pytest
@@ -107,3 +108,70 @@ def test_kto_starts_at_half_the_weights_and_learns_the_preference(pairs, tmp_pat
     _, resumed = train([*b, "train.resume=auto"])
     for x, y in zip(steps, [r for r in resumed if "loss" in r and "eval_loss" not in r]):
         assert y["loss"] == pytest.approx(x["loss"], abs=1e-6), (x["step"], x["loss"], y["loss"])
+
+
+def test_unpaired_kto_loss_equals_hand_computed_values():
+    logps = torch.tensor([[-6.0, 0.0], [-9.0, 0.0], [-3.0, 0.0]], dtype=torch.float64)  # example, its padding
+    ref = torch.tensor([[-7.0, 0.0], [-8.0, 0.0], [-3.0, 0.0]], dtype=torch.float64)
+    desirable = torch.tensor([True, False, False])
+    loss, margin = pair_loss("kto", logps, torch.ones(3, 2), ref, beta=0.5, kto_z0=torch.tensor(0.25),
+                             kto_weights=(1.0, 2.0), desirable=desirable)
+    # r = 1, -1, 0; z = 0.5 (r - 0.25) = 0.375, -0.625, -0.125
+    assert loss.tolist() == pytest.approx([1 - _sig(0.375), 2 * (1 - _sig(0.625)), 2 * (1 - _sig(0.125))])
+    assert margin.tolist() == pytest.approx([0.375, 0.625, 0.125])  # > 0: the reward sides with the label
+    with pytest.raises(ValueError, match="unpaired examples"):
+        pair_loss("simpo", logps, torch.ones(3, 2), desirable=desirable)
+
+
+@pytest.fixture
+def kto_examples(tmp_path):
+    path = tmp_path / "kto.jsonl"
+    rows = [{"prompt": f"Question {i}: what colour is the sky? ",
+             "completion": "It is blue, as every day." if i % 2 else "It is green, like grass.",
+             "label": bool(i % 2)} for i in range(64)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_unpaired_kto_learns_good_from_bad_examples_and_resumes_exactly(kto_examples, tmp_path):
+    """data=kto: one example per item with its label; step 1's loss is (lambda_D + lambda_U) / 4 on
+    average (r = z0 = 0 for every example: 1/2 weight each); the held-out examples' implicit reward
+    comes to side with their labels; a resumed run follows the uninterrupted one."""
+    args = ["data=kto", f"data.path={kto_examples}", "attention=full", "train.seq_len=128", "train.lr=1e-3",
+            "train.warmup_steps=1", "train.progress=false", "train.save_hf=false", "train.steps=12",
+            "data.eval_fraction=0.125", "eval.at_start=true", "train.grad_accum=2"]
+    _, records = train([*args, f"train.output_dir={tmp_path / 'a'}"])
+    steps = [r for r in records if "loss" in r and "eval_loss" not in r]
+    first, last = [r for r in records if "eval_loss" in r]
+    assert steps[0]["loss"] == pytest.approx(0.5, abs=1e-6) and first["eval_loss"] == pytest.approx(0.5, abs=1e-6)
+    assert first["eval_pairs"] == 8 and last["eval_reward_accuracy"] == 1.0 and last["eval_loss"] < 0.45
+    train([*args, f"train.output_dir={tmp_path / 'b'}"], stop_after=6)
+    _, resumed = train([*args, f"train.output_dir={tmp_path / 'b'}", "train.resume=auto"])
+    for x, y in zip(steps, [r for r in resumed if "loss" in r and "eval_loss" not in r]):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-6), (x["step"], x["loss"], y["loss"])
+
+
+def test_unpaired_kto_records_and_their_fit(tmp_path):
+    import numpy as np
+
+    from msa_train.data import build_packed_datasets, byte_tokenizer
+    from msa_train.data.packing import fit_example
+
+    ids, lab = np.arange(10), np.array([-100] * 6 + [6, 7, 8, 9])
+    assert fit_example(ids, lab, 12)[0].tolist() == list(range(10))
+    kept, kept_lab = fit_example(ids, lab, 7, bos_id=0)  # BOS, the prompt's end, the whole completion
+    assert kept.tolist() == [0, 4, 5, 6, 7, 8, 9] and kept_lab.tolist() == [-100, -100, -100, 6, 7, 8, 9]
+    assert fit_example(ids, lab, 3, bos_id=0)[0].tolist() == [0, 6, 7]  # the completion cut from the right
+    path = tmp_path / "k.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "completion": "c", "label": True}) + "\n"
+                    + json.dumps({"prompt": "p", "completion": "c", "label": "yes"}) + "\n")
+    cfg = compose(["data=kto", f"data.path={path}", "train.seq_len=64"]).data
+    with pytest.raises(ValueError, match="'label' must be true .* got 'yes'"):
+        build_packed_datasets(cfg, byte_tokenizer(), 64)
+    path.write_text(json.dumps({"prompt": "Q? ", "completion": "yes", "label": False}) + "\n")
+    ds, _ = build_packed_datasets(cfg, byte_tokenizer(), 64)
+    item = ds[0]
+    assert item["desirable"] is False and item["cu_seqlens"].tolist() == [0, 8, 64]
+    assert (item["labels"] != -100).sum() == 4  # "yes" + EOS
+    with pytest.raises(ValueError, match="only train.objective=kto trains on"):
+        compose(["data=kto", f"data.path={path}", "train.objective=dpo"])

@@ -4,7 +4,7 @@ from msa_train.data import TINY_VOCAB_SIZE, DataConfig, build_tokenizer
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    pytest.param({"format": "raw"}, r"data.format='raw' is not one of \['generated', 'pretrain', 'sft', 'preference'\]",
+    pytest.param({"format": "raw"}, r"data.format='raw' is not one of \['generated', 'pretrain', 'sft', 'preference', 'kto', 'prompts', 'retrieval'\]",
                  id="bad-format"),
     pytest.param({"format": "pretrain"}, "data.path is required", id="pretrain-without-path"),
     pytest.param({"format": "generated", "path": "x.jsonl"}, "data.path must be empty", id="generated-with-path"),

@@ -176,13 +176,15 @@ def summarise_rows(rows: Dict[str, Dict], shapes: Dict[str, Dict]) -> List[Dict]
         if full_depth in ok:
             r = ok[full_depth]
             row |= {"source": "measured", "step_s": r["step_s"], "peak_memory_gb": r.get("peak_memory_gb"),
-                    "phase_s": r.get("phase_s"), "dense_kernel": r.get("dense_kernel"), "impl": r.get("impl")}
+                    "phase_s": r.get("phase_s"), "breakdown": r.get("breakdown"), "dense_kernel": r.get("dense_kernel"),
+                    "impl": r.get("impl")}
         elif len(ok) >= 2:
             fit = fit_per_layer(sorted(ok), [ok[L]["step_s"] for L in sorted(ok)])
             deepest = ok[max(ok)]
             row |= {"source": f"fit over {len(ok)} depths {sorted(ok)}", "fit": fit,
                     "step_s": fit["fixed_s"] + fit["per_layer_s"] * full_depth, "peak_memory_gb": None,
-                    "phase_s": deepest.get("phase_s"), "dense_kernel": deepest.get("dense_kernel"),
+                    "phase_s": deepest.get("phase_s"), "breakdown": deepest.get("breakdown"),
+                    "dense_kernel": deepest.get("dense_kernel"),
                     "impl": deepest.get("impl")}
         else:
             failed = [r.get("error") for r in rs if not r.get("ok")]
@@ -201,22 +203,44 @@ def summarise_rows(rows: Dict[str, Dict], shapes: Dict[str, Dict]) -> List[Dict]
     return out
 
 
+# The report's phases, from the profiled step's device time by kind (msa_train.metrics.kernel_kind):
+# shares of that step's kernel time. What is left is the rest of the layers (their matmuls, norms,
+# RoPE, SwiGLU, copies) and the LM head's matmul, which cuBLAS runs like the layers'.
+BREAKDOWN = {"attention": ("dense attention (cuDNN / flash SDPA)", "flash_msa (Triton)"),
+             "loss": ("cross-entropy rows (Triton)",), "optimizer": ("optimizer (AdamW)",),
+             "communication": ("collectives (NCCL)",)}
+
+
+def breakdown(profile: Optional[Dict]) -> Optional[Dict[str, float]]:
+    """Shares of a profiled step's kernel time (``train.profile_step``'s summary): attention, the
+    rest of the layers, loss, optimizer, communication; None without device kernels (a CPU run)."""
+    kinds = (profile or {}).get("kinds_ms") or {}
+    total = sum(kinds.values())
+    if not total:
+        return None
+    out = {name: sum(kinds.get(k, 0.0) for k in ks) / total for name, ks in BREAKDOWN.items()}
+    return {"attention": out["attention"], "rest_of_layers": 1.0 - sum(out.values()),
+            **{k: out[k] for k in ("loss", "optimizer", "communication")}}
+
+
 COLUMNS = ("model", "options", "seq_len", "attention", "source", "tokens_per_s", "step_s", "speedup_over_full",
            "speedup_over_nsa", "peak_memory_gb", "dense_kernel", "mfu_dense_equivalent", "mfu_actual",
-           "forward_backward_s", "optimizer_s")
+           "forward_backward_s", "optimizer_s", "attention_share", "rest_of_layers_share", "loss_share",
+           "optimizer_share", "communication_share")
 
 
 def _cells(r: Dict) -> List[str]:
     def fmt(v, f="{:.3g}"):
         return "-" if v is None else (f.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v))
 
-    m, ph = r.get("mfu") or {}, r.get("phase_s") or {}
+    m, ph, br = r.get("mfu") or {}, r.get("phase_s") or {}, r.get("breakdown") or {}
     return [r["model"], r["options"], f"{r['seq_len']:,}", r["attention"], r["source"],
             fmt(r.get("tokens_per_s"), "{:,.0f}"), fmt(r.get("step_s")), fmt(r.get("speedup_over_full"), "{:.2f}x"),
             fmt(r.get("speedup_over_nsa"), "{:.2f}x"), fmt(r.get("peak_memory_gb"), "{:.1f}"),
             fmt(r.get("dense_kernel") if r["attention"] == "full" else r.get("impl")),
             fmt(m.get("dense_equivalent"), "{:.1%}"), fmt(m.get("actual"), "{:.1%}"),
-            *(fmt(ph.get(k)) for k in ("forward_backward", "optimizer"))]
+            *(fmt(ph.get(k)) for k in ("forward_backward", "optimizer")),
+            *(fmt(br.get(k), "{:.0%}") for k in ("attention", "rest_of_layers", "loss", "optimizer", "communication"))]
 
 
 def write_report(rows: List[Dict], out: Path, meta: Dict) -> None:
@@ -228,7 +252,9 @@ def write_report(rows: List[Dict], out: Path, meta: Dict) -> None:
              "(`t = fixed + per_layer x layers`, least squares over the depths that ran, residual in latest.json). "
              "Options: `same` = the same memory options for every arm, `fastest` = each arm at its fastest "
              "options that fit. Phases in seconds per step (`train.phase_times`: forward + backward, and the "
-             "optimizer step; from the deepest measured run for fitted rows). MFU: dense-equivalent FLOPs, and the FLOPs the attention really did.", "",
+             "optimizer step; from the deepest measured run for fitted rows). Shares: of the kernel time of one "
+             "profiled step (`train.profile_step`, left out of the timing): attention, the rest of the layers (and "
+             "the LM head's matmul), the loss's kernels, the optimizer's, communication. MFU: dense-equivalent FLOPs, and the FLOPs the attention really did.", "",
              "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     (out / "latest.md").write_text("\n".join(lines) + "\n")
@@ -266,12 +292,18 @@ def point_overrides(point: Point, fits: Callable[[List[str]], bool] = planner_fi
             *opts]
 
 
+def profiled_step(steps: int) -> str:
+    """The override that profiles a point's last step (:func:`breakdown`); the timing leaves it out."""
+    return f"train.profile_step={steps}"
+
+
 def measure_point(point: Point, steps: int, warmup: int, timeout: int, workdir: Path, device: str) -> Dict:
     """One point as a fresh process (bench.run_point); its step time, peak memory, phases and kernels."""
     from msa_train import bench_points as bench
 
     overrides = point_overrides(point)
-    p = bench.run_point("llama3_8b_64k", point.attention, point.seq_len, steps, overrides, workdir, timeout)
+    p = bench.run_point("llama3_8b_64k", point.attention, point.seq_len, steps, [*overrides, profiled_step(steps)],
+                        workdir, timeout)
     tps = bench.summarise(p, warmup)
     phases = bench.phase_means(p, warmup) or {}
     ran = bench.what_ran(point.attention, device)
@@ -282,6 +314,7 @@ def measure_point(point: Point, steps: int, warmup: int, timeout: int, workdir: 
         row["dense_kernel"] = ran["impl"]
     if phases:  # the layers, attention and the loss together (train.phase_times times no finer)
         row["phase_s"] = {"forward_backward": phases["forward_s"] + phases["backward_s"], "optimizer": phases["step_s"]}
+    row["breakdown"] = breakdown(p.get("profile"))  # finer: by kernel kind, from the profiled step
     return row
 
 

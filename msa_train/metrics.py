@@ -128,7 +128,7 @@ class PhaseTimer:
 
 # Kinds of device time in a profiled step, by kernel name (first match wins). Triton kernels are
 # named by their bare function name; in this trainer they are flash_msa's but for the fused loss's
-# row kernel (msa_train/loss.py). torch's own kernels have demangled C++ names ("void at::native::...").
+# kernels (msa_train/loss.py) and the fused RMSNorm / RoPE / SwiGLU (msa_train/models/fused_ops.py). torch's own kernels have demangled C++ names ("void at::native::...").
 _KERNEL_KINDS = (
     ("copy device<->host", lambda n: "memcpy" in n and ("dtoh" in n or "htod" in n)),
     ("copy/fill on device", lambda n: "memcpy" in n or "memset" in n),
@@ -136,7 +136,9 @@ _KERNEL_KINDS = (
                                                                            "sdpa"))),
     ("matmul (cuBLAS)", lambda n: any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "splitk"))),
     ("collectives (NCCL)", lambda n: "nccl" in n),
-    ("cross-entropy rows (Triton)", lambda n: n.startswith("_ce_rows")),
+    ("cross-entropy rows (Triton)", lambda n: n.startswith(("_ce_rows", "_scale_kernel"))),
+    ("fused layer ops (Triton)", lambda n: n.startswith(("_rms_norm", "_rope_kernel", "_swiglu_kernel"))),
+    ("optimizer (AdamW)", lambda n: "adam" in n or "multi_tensor_apply" in n),
 )
 
 

@@ -107,3 +107,44 @@ def test_fastest_options_are_the_first_the_planner_fits_at_full_depth():
     assert all("model.hf_config.num_hidden_layers=32" in o for o in seen)  # chosen at full depth
     same = bench_report.point_overrides(Point("llama3_8b", "full", 65536, 4, "same"), fits)
     assert set(bench_report.SAME_OPTIONS) <= set(same)
+
+
+def test_the_breakdown_splits_a_profiled_step_by_kernel_kind():
+    """Shares of the profiled step's kernel time: flash_msa's and cuDNN's kernels are attention, the
+    fused loss's kernels the loss, AdamW's the optimizer, NCCL's communication; the rest (matmuls,
+    the fused norm / RoPE / SwiGLU, elementwise) the rest of the layers."""
+    from msa_train.metrics import kernel_kind
+
+    names = {"fmsa_fwd_kernel": 30.0, "cudnn_generated_fort_native_sdpa_sm90": 10.0,
+             "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT": 40.0, "_rms_norm_fwd_kernel": 3.0, "_swiglu_kernel": 2.0,
+             "_ce_rows_kernel": 5.0, "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<AdamW>": 6.0,
+             "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 4.0}
+    kinds = {}
+    for name, ms in names.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    assert kernel_kind("_rope_kernel") == "fused layer ops (Triton)" and kernel_kind("select_blocks_kernel") == \
+        "flash_msa (Triton)"
+    b = bench_report.breakdown({"kinds_ms": kinds})
+    assert b == pytest.approx({"attention": 0.4, "rest_of_layers": 0.45, "loss": 0.05, "optimizer": 0.06,
+                               "communication": 0.04})
+    assert bench_report.breakdown({"kinds_ms": {}}) is None and bench_report.breakdown(None) is None
+
+
+def test_a_point_profiles_its_last_step_and_times_the_others(tmp_path, monkeypatch):
+    from msa_train import bench_points
+
+    seen = {}
+
+    def fake_run_point(recipe, attention, seq_len, steps, extra, workdir, timeout):
+        seen["extra"] = extra
+        records = [{"step": s, "tokens_per_s": 100.0 if s < steps else 1.0, "forward_s": 0.1, "backward_s": 0.2,
+                    "step_s": 0.05, **({"profiled": True} if s == steps else {})} for s in range(1, steps + 1)]
+        return {"ok": True, "records": records, "peak_memory_gb": 2.0,
+                "profile": {"kinds_ms": {"flash_msa (Triton)": 1.0, "matmul (cuBLAS)": 3.0}}}
+
+    monkeypatch.setattr(bench_points, "run_point", fake_run_point)
+    point = bench_report.grid(["llama3_8b"], [1024], depths=[4])[0]
+    row = bench_report.measure_point(point, steps=4, warmup=1, timeout=10, workdir=tmp_path, device="cpu")
+    assert "train.profile_step=4" in seen["extra"]
+    assert row["step_s"] == pytest.approx(1024 / 100.0)  # the profiled step is not timed
+    assert row["breakdown"]["attention"] == pytest.approx(0.25) and row["breakdown"]["rest_of_layers"] == 0.75

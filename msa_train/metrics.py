@@ -222,11 +222,11 @@ class MetricsLogger:
 
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  MFU {task.fields[mfu]}  "
+                TextColumn("{task.fields[loss]}  {task.fields[tps]} tok/s  MFU {task.fields[mfu]}  "
                            "mem {task.fields[mem]} GB"),
             )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step,
-                                                 loss="-", tps="-", mfu="-", mem="-")
+                                                 loss="loss -", tps="-", mfu="-", mem="-")
             self._progress.start()
 
     def _truncate_after(self, step: int) -> None:
@@ -273,7 +273,7 @@ class MetricsLogger:
         self._write(record)
         if self._progress is not None:
             mfu = record.get("mfu")
-            loss = "-" if record["loss"] is None else f"{record['loss']:.4f}"
+            loss = "loss -" if record["loss"] is None else f"loss {record['loss']:.4f}"
             if record.get("reward") is not None:  # GRPO: the rollouts' reward says more than its loss
                 loss = f"reward {record['reward']:.3f}"
             self._progress.update(self._task, completed=record["step"], loss=loss,

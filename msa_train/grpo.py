@@ -169,15 +169,26 @@ class StartingWeights:
         return sum(t.numel() for t in self.state.values())
 
 
+def _generation_config(max_new_tokens: int, pad_id: int, eos_ids: List[int], temperature: Optional[float] = None):
+    """A generation config of its own, not the model's: a checkpoint's generation_config.json (Qwen2.5's
+    top_k 20 and repetition penalty 1.05, Llama 3 Instruct's top_p 0.9) would otherwise reshape the
+    distribution the rollouts are sampled from, and the policy gradient needs the policy's own."""
+    from transformers import GenerationConfig
+
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else \
+        dict(do_sample=False)
+    return GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids or None,
+                            **sampling)
+
+
 def sample_group(model: nn.Module, prompt: torch.Tensor, group: int, max_new_tokens: int, temperature: float,
                  pad_id: int, eos_ids: List[int]) -> List[torch.Tensor]:
     """``group`` sampled completions of one prompt (int64 [P] on the model's device): one generate()
     call with the prompt repeated, on the KV-cache path; each completion cut after its first EOS, on
     the host."""
     ids = prompt[None].expand(group, -1)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=pad_id,
-                         eos_token_id=eos_ids or None)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                         generation_config=_generation_config(max_new_tokens, pad_id, eos_ids, temperature))
     new = out[:, prompt.shape[0]:].cpu()
     return [completion_of(row, eos_ids) for row in new]
 
@@ -186,6 +197,6 @@ def greedy_completion(model: nn.Module, prompt: torch.Tensor, max_new_tokens: in
                       eos_ids: List[int]) -> torch.Tensor:
     """The greedy completion of one prompt (int64 [P] on the model's device), cut after its first EOS."""
     ids = prompt[None]
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=pad_id, eos_token_id=eos_ids or None)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                         generation_config=_generation_config(max_new_tokens, pad_id, eos_ids))
     return completion_of(out[0, prompt.shape[0]:].cpu(), eos_ids)

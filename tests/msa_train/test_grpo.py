@@ -103,17 +103,21 @@ def test_group_sampling_decodes_through_the_kv_cache(attention, monkeypatch):
     real = NativeSparseAttention.decode
     monkeypatch.setattr(NativeSparseAttention, "decode", lambda self, *a, **k: decodes.append(1) or real(self, *a, **k))
     prompt = torch.randint(3, 97, (70,))
+    # a checkpoint's own sampling settings must not reshape the policy's distribution
+    model.generation_config.repetition_penalty, model.generation_config.top_p = 50.0, 0.1
     torch.manual_seed(1)
     with torch.no_grad():
         out = sample_group(model, prompt, 4, 5, 1.0, pad_id=0, eos_ids=[])
     assert len(out) == 4 and all(len(c) == 5 for c in out)
     assert len({tuple(c.tolist()) for c in out}) > 1  # sampled, not greedy
     assert bool(decodes) == (attention == "nsa")
+    from transformers import GenerationConfig
+
     torch.manual_seed(1)
     with torch.no_grad():
         again = model.generate(input_ids=prompt[None].expand(4, -1), attention_mask=torch.ones(4, 70, dtype=torch.long),
-                               max_new_tokens=5, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
-                               use_cache=False)
+                               generation_config=GenerationConfig(max_new_tokens=5, do_sample=True, temperature=1.0,
+                                                                  top_k=0, top_p=1.0, pad_token_id=0, use_cache=False))
     assert torch.equal(torch.stack(out), again[:, 70:])
 
 

@@ -399,6 +399,11 @@ class RootConfig:
                              f"parallel.sp_degree=1 and parallel.zero_stage < 3 (got {self.parallel.sp_degree} and "
                              f"{self.parallel.zero_stage}); for a model too big for one GPU, train LoRA adapters "
                              "(model.lora.r) under ZeRO-2")
+        if grpo and (self.eval.retrieval or self.model.nsa_init == "distill"):
+            what = "eval.retrieval (its haystack is held-out documents)" if self.eval.retrieval else \
+                "model.nsa_init=distill (it fits NSA on training documents)"
+            raise ValueError(f"train.objective=grpo trains on prompts, not documents: {what} is not available; "
+                             "GRPO's own evaluation is eval_reward on held-out prompts (data.eval_fraction)")
         ev, has_data = self.eval, self.data.has_eval or self.eval.passkey > 0
         if ev.retrieval and not self.data.has_eval:
             raise ValueError("eval.retrieval needs held-out documents for its haystack: set data.eval_path (files) "

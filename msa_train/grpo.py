@@ -65,10 +65,11 @@ REWARDS: Dict[str, Callable[[str, str], float]] = {"exact": reward_exact, "prefi
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO's advantages of one group's rewards [G]: (r - mean) / (std + eps), std without Bessel's
-    correction; all 0 when the group's rewards are equal (no completion is better than another)."""
+    """GRPO's advantages of one group's rewards [G]: (r - mean) / (std + eps), std with Bessel's
+    correction (torch's default, as TRL); all 0 when the group's rewards are equal (no completion is
+    better than another)."""
     r = rewards.double()
-    return ((r - r.mean()) / (r.std(unbiased=False) + eps)).to(rewards.dtype)
+    return ((r - r.mean()) / (r.std() + eps)).to(rewards.dtype)
 
 
 def grpo_token_loss(nll: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, ref_nll: Optional[torch.Tensor],
@@ -169,16 +170,24 @@ class StartingWeights:
         return sum(t.numel() for t in self.state.values())
 
 
-def _generation_config(max_new_tokens: int, pad_id: int, eos_ids: List[int], temperature: Optional[float] = None):
-    """A generation config of its own, not the model's: a checkpoint's generation_config.json (Qwen2.5's
-    top_k 20 and repetition penalty 1.05, Llama 3 Instruct's top_p 0.9) would otherwise reshape the
-    distribution the rollouts are sampled from, and the policy gradient needs the policy's own."""
+def _generate(model: nn.Module, ids: torch.Tensor, max_new_tokens: int, pad_id: int, eos_ids: List[int],
+              temperature: Optional[float] = None) -> torch.Tensor:
+    """generate() under a generation config of its own, not the model's: a checkpoint's
+    generation_config.json (Qwen2.5's top_k 20 and repetition penalty 1.05, Llama 3 Instruct's top_p
+    0.9) would reshape the distribution the rollouts are sampled from, and the policy gradient needs
+    the policy's own. transformers fills what a passed config leaves unset from the model's, so the
+    model's is swapped for the defaults (no penalty, no filter, no forced length) for the call."""
     from transformers import GenerationConfig
 
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else \
         dict(do_sample=False)
-    return GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids or None,
-                            **sampling)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids or None,
+                              **sampling)
+    own, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    finally:
+        model.generation_config = own
 
 
 def sample_group(model: nn.Module, prompt: torch.Tensor, group: int, max_new_tokens: int, temperature: float,
@@ -186,9 +195,7 @@ def sample_group(model: nn.Module, prompt: torch.Tensor, group: int, max_new_tok
     """``group`` sampled completions of one prompt (int64 [P] on the model's device): one generate()
     call with the prompt repeated, on the KV-cache path; each completion cut after its first EOS, on
     the host."""
-    ids = prompt[None].expand(group, -1)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                         generation_config=_generation_config(max_new_tokens, pad_id, eos_ids, temperature))
+    out = _generate(model, prompt[None].expand(group, -1), max_new_tokens, pad_id, eos_ids, temperature)
     new = out[:, prompt.shape[0]:].cpu()
     return [completion_of(row, eos_ids) for row in new]
 
@@ -196,7 +203,5 @@ def sample_group(model: nn.Module, prompt: torch.Tensor, group: int, max_new_tok
 def greedy_completion(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, pad_id: int,
                       eos_ids: List[int]) -> torch.Tensor:
     """The greedy completion of one prompt (int64 [P] on the model's device), cut after its first EOS."""
-    ids = prompt[None]
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                         generation_config=_generation_config(max_new_tokens, pad_id, eos_ids))
+    out = _generate(model, prompt[None], max_new_tokens, pad_id, eos_ids)
     return completion_of(out[0, prompt.shape[0]:].cpu(), eos_ids)

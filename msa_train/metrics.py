@@ -96,10 +96,10 @@ def json_line(record: Dict[str, Any], indent: Optional[int] = None) -> str:
 class PhaseTimer:
     """``train.phase_times``: seconds of each phase of a step (forward, backward, optimizer step) summed
     over the steps since the last log, for finding where a step's time goes (e.g. what host-side
-    optimizer state costs; GRPO's rollouts are "generate"). Each phase starts and ends with a device synchronisation, so the times
+    optimizer state costs). Each phase starts and ends with a device synchronisation, so the times
     are exact but the steps lose whatever overlap the host had with the device; off by default."""
 
-    NAMES = ("forward", "backward", "step", "generate")
+    NAMES = ("forward", "backward", "step")
 
     def __init__(self, device: torch.device, enabled: bool):
         self.enabled = enabled

@@ -14,7 +14,8 @@ objective's implicit reward prefers the chosen response (the reported reward acc
   plus lambda times -log sigmoid of the log odds ratio, odds(y) = p / (1 - p) with p the mean
   token probability exp(pi / |y|); margin = the log odds ratio.
 - ``kto`` (Ethayarajh et al. 2024) on the two responses of a pair taken as one desirable and one
-  undesirable example: with r = pi - ref and the reference point z0 (:func:`kto_reference_point`),
+  undesirable example: with r = pi - ref and the reference point z0 (the trainer's estimate: the
+  mean r of the previous optimizer step's examples, clamped at 0; msa_train/trainer.py _pair_step),
   the mean of lambda_D (1 - sigmoid(beta (r_c - z0))) and lambda_U (1 - sigmoid(beta (z0 - r_r)));
   margin = beta (r_c - r_r), as DPO's. Needs the reference log-probabilities. On unpaired examples
   (``desirable`` given, data.format=kto) the first column holds each example and the second its
@@ -40,20 +41,6 @@ def _log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
     """log(p / (1 - p)) of p = exp(mean_logp) <= 1, stably: log(1 - p) = log(-expm1(mean_logp))."""
     x = mean_logp.clamp(max=-1e-6)  # p = 1 exactly would make the odds infinite
     return x - torch.log(-torch.expm1(x))
-
-
-def kto_reference_point(logps: torch.Tensor, ref: torch.Tensor, across_ranks: bool = False) -> torch.Tensor:
-    """KTO's z0: the mean policy-reference log-ratio of the examples at hand (with ``across_ranks``,
-    every rank's: an all-reduce), clamped at 0 and not differentiated. The paper estimates it from
-    mismatched prompt/completion pairs of the batch, which costs another forward pass per example;
-    this uses the batch's own examples instead."""
-    import torch.distributed as dist
-
-    kl = (logps - ref).detach().float().mean()
-    if across_ranks and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(kl)
-        kl = kl / dist.get_world_size()
-    return kl.clamp(min=0)
 
 
 def pair_loss(objective: str, logps: torch.Tensor, tokens: torch.Tensor, ref: Optional[torch.Tensor] = None, *,

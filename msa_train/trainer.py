@@ -84,7 +84,8 @@ def _later_settings() -> Dict[str, Any]:
     train, data = TrainConfig(), DataConfig()
     return {**{f"model.lora.{k}": v for k, v in lora.items()},
             **{f"train.{k}": getattr(train, k) for k in (*PREFERENCE_SETTINGS, *GRPO_SETTINGS) if k != "dpo_beta"},
-            **{f"data.{k}": getattr(data, k) for k in ("answer_field", "tasks", "num_prompts")}}
+            **{f"data.{k}": getattr(data, k) for k in ("answer_field", "completion_field", "label_field", "tasks",
+                                                        "num_prompts")}}
 
 
 _LATER_SETTINGS = _later_settings()
@@ -283,7 +284,9 @@ class Trainer:
         inherited = E.read_training_documents(Path(cfg.model.path) / E.TRAINING_DOCUMENTS) if cfg.model.path else None
         if not cfg.eval.only:
             trained = E.document_fingerprints(self.dataset)
-            if trained is None:
+            if trained is None:  # pairs, examples, prompts: no documents of their own, the starting model's kept
+                if inherited is not None and self.dist.is_main:
+                    E.write_training_documents(self.run_dir / E.TRAINING_DOCUMENTS, np.zeros(0, np.uint64), inherited)
                 return
             if self.dist.is_main:
                 E.write_training_documents(self.run_dir / E.TRAINING_DOCUMENTS, trained, inherited)
@@ -426,6 +429,9 @@ class Trainer:
         cfg = self.cfg
         self.step = 0
         self.tokens_seen = 0
+        # KTO's reference point z0: the mean policy/reference log-ratio of the previous step's examples
+        # (0 before the first), in the checkpoint for an exact resume (see _pair_step)
+        self._kto_z0 = torch.zeros((), device=self.device)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.dist.rank, cfg.train.keep_checkpoints,
                                       local_rank=self.dist.local_rank, group=self._control,
                                       trainable_only=cfg.model.lora.enabled)
@@ -445,6 +451,7 @@ class Trainer:
             trainer_state, rank_state = self.ckpt.load(self.engine, path)
             self.step = trainer_state["step"]
             self.tokens_seen = trainer_state["tokens_seen"]
+            self._kto_z0.fill_(trainer_state.get("kto_z0", 0.0))
             self.sampler.load_state_dict(rank_state["sampler"])
             self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)  # re-apply the restored rate
             self._sampler_iter = iter(self.sampler)
@@ -670,21 +677,16 @@ class Trainer:
 
     def _pair_loss(self, logps: torch.Tensor, tokens: torch.Tensor, ref: Optional[torch.Tensor],
                    desirable: Optional[torch.Tensor] = None):
-        """The pair objective's (loss, margin); ``desirable`` the labels of unpaired KTO examples."""
-        from msa_train.preference import kto_reference_point, pair_loss
+        """The pair objective's (loss, margin); ``desirable`` the labels of unpaired KTO examples.
+        KTO's reference point is the trainer's current estimate (:meth:`_pair_step`), in training and
+        in evaluation alike."""
+        from msa_train.preference import pair_loss
 
         t = self.cfg.train
         beta = {"dpo": t.dpo_beta, "kto": t.kto_beta}.get(t.objective, t.simpo_beta)
-        # KTO's reference point from the examples at hand: a micro-batch's on every rank in training
-        # (a collective each micro step, as many on every rank), all held-out pairs in evaluation;
-        # of unpaired examples only their first column (the second is their padding)
-        z0 = None
-        if t.objective == "kto":
-            both = (logps, ref) if desirable is None else (logps[..., :1], ref[..., :1])
-            z0 = kto_reference_point(*both, across_ranks=logps.dim() == 1)
         return pair_loss(t.objective, logps, tokens, ref, beta=beta, simpo_gamma=t.simpo_gamma,
-                         orpo_lambda=t.orpo_lambda, kto_z0=z0, desirable=desirable,
-                         kto_weights=(t.kto_desirable_weight, t.kto_undesirable_weight))
+                         orpo_lambda=t.orpo_lambda, kto_z0=self._kto_z0 if t.objective == "kto" else None,
+                         desirable=desirable, kto_weights=(t.kto_desirable_weight, t.kto_undesirable_weight))
 
     def _eval_pairs(self) -> Dict[str, Any]:
         """The preference objective on held-out pairs; DPO's against the reference log-probabilities
@@ -834,7 +836,14 @@ class Trainer:
 
     def _pair_step(self, micro: List[Dict[str, Any]], lr: float) -> Dict[str, Any]:
         """One optimizer step of the preference objective (msa_train/preference.py): its loss per pair,
-        the mean over the global batch's pairs (DeepSpeed averages over ranks and micro steps)."""
+        the mean over the global batch's pairs (DeepSpeed averages over ranks and micro steps).
+
+        KTO's reference point z0 is the mean log-ratio r = pi - ref of the *previous* step's examples
+        over all ranks (one all-reduce per step), clamped at 0 and 0 before the first step. Taken
+        from the examples being scored, with one pair or one example per micro-batch, it would
+        contain each example's own r: for an unpaired example on one rank z0 would be r itself and
+        its reward beta (r - z0) always 0."""
+        log_ratios = []
 
         def loss_of(m):
             ref = None
@@ -849,9 +858,15 @@ class Trainer:
             logps = self._pair_logps(m)  # chosen, rejected: the engine returns per-segment losses
             desirable = self._to_device(m["desirable"]) if "desirable" in m else None
             loss, margin = self._pair_loss(logps, self._to_device(m["response_tokens"]), ref, desirable)
+            if self.cfg.train.objective == "kto":  # an unpaired example's second column is its padding
+                log_ratios.append((logps - ref).detach()[: 1 if desirable is not None else 2])
             return loss, torch.stack([loss, (margin > 0).float(), margin]).detach()  # loss, reward accuracy, margin
 
         sums, grad_norm = self._micro_steps(micro, loss_of)
+        if log_ratios:  # the next step's z0: every rank holds as many examples, so the mean of means is the mean
+            z0 = torch.cat(log_ratios).float().mean()
+            dist.all_reduce(z0)
+            self._kto_z0 = (z0 / self.dist.world_size).clamp(min=0)
         n_pairs = torch.tensor(float(len(micro) * self.dist.world_size), device=self.device)
         return self._step_out(micro, lr, sums[0], n_pairs, grad_norm,
                               pair_sums={"reward_accuracy": sums[1], "reward_margin": sums[2]})
@@ -884,19 +899,30 @@ class Trainer:
 
     def _rollouts(self, micro: List[Dict[str, Any]]) -> tuple:
         """Each prompt's group of sampled completions, rewarded and packed (msa_train/grpo.py): the
-        micro-batches to train on, and the step's rewards [prompts, G] on the host."""
+        micro-batches to train on, the step's rewards [prompts, G] on the host, the seconds spent in
+        generate() and the positions it sampled (padding after an EOS included).
+
+        The sampling draws from a generator seeded by (train.seed, rank, step): the ranks sample
+        independently (each is seeded alike at the start), and a resumed run samples what the
+        uninterrupted one did whatever else drew random numbers."""
         from msa_train.data.tokenizer import pad_token_id
         from msa_train.grpo import REWARDS, group_advantages, pack_group, sample_group
 
         t, tok = self.cfg.train, self.tokenizer
         reward = REWARDS[t.grpo_reward]
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        batches, rewards = [], []
+        batches, rewards, generate_s, sampled = [], [], 0.0, 0
+        seed = int(np.random.SeedSequence([t.seed, self.dist.rank, self.step]).generate_state(1)[0])
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
         self.module.eval()
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)
             for m in micro:
+                t0 = time.perf_counter()
                 completions = sample_group(self.model, self._to_device(m["prompt_ids"]), t.grpo_group,
                                            t.grpo_max_new_tokens, t.grpo_temperature, pad_token_id(tok), eos)
+                generate_s += time.perf_counter() - t0  # generate() returns on the host: no sync needed
+                sampled += t.grpo_group * max(len(c) for c in completions)
                 r = torch.tensor([reward(text, m["answer"]) for text in
                                   tok.batch_decode(completions, skip_special_tokens=True)])
                 packed = pack_group(m["prompt_ids"], completions, group_advantages(r))
@@ -906,7 +932,7 @@ class Trainer:
                 batches.append(batch)
                 rewards.append(r)
         self.module.train()
-        return batches, torch.stack(rewards)
+        return batches, torch.stack(rewards), generate_s, sampled
 
     def _grpo_step(self, micro: List[Dict[str, Any]], lr: float) -> Dict[str, Any]:
         """One optimizer step of GRPO (msa_train/grpo.py): rollouts of this rank's prompts, then the
@@ -915,10 +941,7 @@ class Trainer:
         from msa_train.grpo import grpo_token_loss
 
         t, gas, world = self.cfg.train, self.cfg.train.grad_accum, self.dist.world_size
-        t0 = time.perf_counter()
-        with self._phases.phase("generate"):
-            batches, rewards = self._rollouts(micro)
-        generate_s = time.perf_counter() - t0
+        batches, rewards, generate_s, sampled = self._rollouts(micro)
         # this rank's completion tokens (the loss's tokens) and rollout tokens, then the global batch's
         local = torch.tensor([float(sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in batches)),
                               float(sum(b["num_tokens"] for b in batches))], dtype=torch.float64)
@@ -941,12 +964,11 @@ class Trainer:
         on = self._to_device
         completions = float(rewards.numel())
         means = {"reward": (on(rewards.sum()), on(torch.tensor(completions))),
-                 "reward_std": (on(rewards.std(dim=1, unbiased=False).sum()), on(torch.tensor(float(len(micro))))),
+                 "reward_std": (on(rewards.std(dim=1).sum()), on(torch.tensor(float(len(micro))))),
                  "kl": (sums[1], on(local[0])),
                  "completion_tokens": (on(local[0]), on(torch.tensor(completions)))}
         return self._step_out(batches, lr, sums[0], n_global, grad_norm, tokens=int(counts[1].item()), means=means,
-                              host={"generate_s": generate_s,
-                                    "generate_tokens_per_s": local[0].item() / max(generate_s, 1e-9)})
+                              host={"generate_s": generate_s, "generate_tokens_per_s": sampled / max(generate_s, 1e-9)})
 
     def _eval_grpo(self) -> Dict[str, Any]:
         """The mean reward of greedy completions of the held-out prompts (one per prompt)."""
@@ -1078,6 +1100,7 @@ class Trainer:
         self.ckpt.verify(latest)
         trainer_state, _ = self.ckpt.load(self.engine, latest)  # the RNG too; the sampler goes on from here
         self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        self._kto_z0.fill_(trainer_state.get("kto_z0", 0.0))
         self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)  # re-apply the restored rate
         self._restored_for_nonfinite = latest
         records[:] = [r for r in records if r["step"] <= self.step]
@@ -1091,6 +1114,7 @@ class Trainer:
 
     def _save(self) -> None:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "recipe": self.cfg.recipe_name,
+                         "kto_z0": float(self._kto_z0),
                          "train_steps": self.cfg.train.steps,
                          "world_size": self.dist.world_size, "run_config": self._run_config()}
         try:

@@ -27,9 +27,10 @@ logger = logging.getLogger(__name__)
 class PromptDataset:
     """Item i: ``prompt_ids`` (int64 [P], BOS included where the data adds it) and ``answer`` (str)."""
 
-    def __init__(self, prompts: List[List[int]], answers: List[str], report=None):
+    def __init__(self, prompts: List[List[int]], answers: List[str], report=None, what: str = "training"):
         if not prompts:
-            raise ValueError("data: no prompts")
+            raise ValueError(f"data: no {what} prompts are left (check data.path, data.long_prompt=drop against "
+                             "train.seq_len, data.eval_fraction against data.num_prompts)")
         self.prompts, self.answers, self.report = prompts, answers, report
 
     def __len__(self) -> int:
@@ -84,7 +85,7 @@ def _tokenized(records, cfg: DataConfig, tokenizer, seq_len: int, what: str, rep
                        cut + dropped, len(records), what, seq_len,
                        f"{cut} keep their end" if cut else f"{dropped} left out", cfg.long_prompt)
     logger.info("data (%s): %d prompts, up to %d tokens", what, len(prompts), max(map(len, prompts), default=0))
-    return PromptDataset(prompts, answers, report)
+    return PromptDataset(prompts, answers, report, what)
 
 
 def _retrieval_prompts(cfg: DataConfig, tokenizer, seq_len: int, train: bool):
@@ -116,7 +117,7 @@ def _retrieval_prompts(cfg: DataConfig, tokenizer, seq_len: int, train: bool):
                                  "(a prompt is train.seq_len tokens with its answer)") from None
             prompts.append(p["input_ids"][: seq_len - p["answer_tokens"]].tolist())
             answers.append(p["answer"])
-        return PromptDataset(prompts, answers)
+        return PromptDataset(prompts, answers, what="training" if stream == "train" else "evaluation")
 
     train_ds = draw(cfg.num_prompts - n_eval, "train") if train else None
     eval_ds = draw(n_eval, "eval") if n_eval else None

@@ -128,6 +128,7 @@ class Workload:
     cmp_stride: int = 16
     slc_topk: int = 16
     packed: bool = True            # several documents per row: the varlen dense kernel
+    reference_weights: bool = False  # GRPO with a KL term: the trainable parameters' starting values, kept
 
 
 @dataclass
@@ -302,12 +303,16 @@ def predict(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H20
     gathered = 0.0
     if opt.zero_stage == 3:  # one layer's parameters gathered whole (bf16) while it runs, and its gradients
         gathered = 2 * 2 * (shape.params / max(1, shape.layers))
-    parts = {"parameters": state["parameters"], "gradients": state["gradients"],
+    # GRPO's reference policy: the starting values of the trainable parameters, on every rank, in the
+    # model's dtype (msa_train/grpo.py StartingWeights)
+    reference = (shape.params if shape.trainable is None else shape.trainable) * (2 if work.bf16 else 4) \
+        if work.reference_weights else 0.0
+    parts = {"parameters": state["parameters"], "reference_weights": reference, "gradients": state["gradients"],
              "optimizer_state": state["optimizer_state"], "zero3_gathered_layer": gathered,
              "activations_kept": act["activations_kept"], "layer_working": act["layer_working"],
              "attention_workspace": act["attention_workspace"], "loss": act["loss"],
              "step_fp32_gradients": state["step_fp32_gradients"]}
-    resident = parts["parameters"] + parts["gradients"] + parts["optimizer_state"]
+    resident = parts["parameters"] + reference + parts["gradients"] + parts["optimizer_state"]
     backward_peak = resident + gathered + act["activations_kept"] + act["layer_working"] \
         + act["attention_workspace"] + act["loss"]
     step_peak = resident + state["step_fp32_gradients"]
@@ -390,6 +395,7 @@ def plan_of_config(cfg, world_size: Optional[int] = None, gpu_gb: Optional[float
         seq_len, loss_impl = t.grpo_group * (t.seq_len + t.grpo_max_new_tokens), "recompute"
     work = Workload(seq_len=seq_len, attention=cfg.attention.name, world_size=world, bf16=bf16,
                     loss_chunk_tokens=t.loss_chunk_tokens, loss_impl=loss_impl,
+                    reference_weights=t.objective == "grpo" and t.grpo_beta > 0,
                     cmp_stride=cfg.attention.cmp_stride, slc_topk=cfg.attention.slc_topk)
     shape = ModelShape.from_config(cfg.model, cfg.attention)
     return plan(shape, Options.from_config(cfg, on_cuda), work, gpu_gb or t.plan_gpu_gb or visible_gpu_gb(),
@@ -417,7 +423,8 @@ def print_plan(cfg) -> Plan:
 
 
 PART_LABELS = {
-    "parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state (fp32 master + AdamW)",
+    "parameters": "parameters", "reference_weights": "GRPO reference policy (starting weights)",
+    "gradients": "gradients", "optimizer_state": "optimizer state (fp32 master + AdamW)",
     "zero3_gathered_layer": "ZeRO-3: one layer gathered", "activations_kept": "activations kept by every layer",
     "layer_working": "one layer recomputed + its backward", "attention_workspace": "attention workspace",
     "loss": "logits / loss chunk", "step_fp32_gradients": "optimizer step: fp32 gradients",

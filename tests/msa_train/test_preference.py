@@ -36,14 +36,9 @@ def test_pair_losses_equal_hand_computed_values():
     assert loss.tolist() == pytest.approx([2.0 - 0.1 * math.log(_sig(r0)), 3.0 - 0.1 * math.log(_sig(r1))])
 
 
-def test_kto_loss_and_reference_point_equal_hand_computed_values():
-    from msa_train.preference import kto_reference_point
-
+def test_kto_loss_equals_hand_computed_values():
     logps = torch.tensor([[-6.0, -12.0], [-9.0, -4.0]], dtype=torch.float64)
     ref = torch.tensor([[-7.0, -10.0], [-8.0, -5.0]], dtype=torch.float64)
-    # r = logps - ref: [[1, -2], [-1, 1]], mean -0.25 -> z0 = 0 (clamped); with ref shifted by -1, mean 0.75
-    assert kto_reference_point(logps, ref).item() == 0.0
-    assert kto_reference_point(logps, ref - 1).item() == pytest.approx(0.75)
     loss, margin = pair_loss("kto", logps, torch.ones(2, 2), ref, beta=0.5, kto_z0=torch.tensor(0.25),
                              kto_weights=(1.0, 2.0))
     # pair 0: 0.5 * (1 * (1 - s(0.5 (1 - 0.25))) + 2 * (1 - s(0.5 (0.25 + 2)))); pair 1: r_c -1, r_r 1
@@ -145,6 +140,8 @@ def test_unpaired_kto_learns_good_from_bad_examples_and_resumes_exactly(kto_exam
     first, last = [r for r in records if "eval_loss" in r]
     assert steps[0]["loss"] == pytest.approx(0.5, abs=1e-6) and first["eval_loss"] == pytest.approx(0.5, abs=1e-6)
     assert first["eval_pairs"] == 8 and last["eval_reward_accuracy"] == 1.0 and last["eval_loss"] < 0.45
+    # z0 is the previous step's mean log-ratio, not the example's own: desirable examples count too
+    assert steps[-1]["reward_accuracy"] == 1.0 and steps[-1]["loss"] < 0.4
     train([*args, f"train.output_dir={tmp_path / 'b'}"], stop_after=6)
     _, resumed = train([*args, f"train.output_dir={tmp_path / 'b'}", "train.resume=auto"])
     for x, y in zip(steps, [r for r in resumed if "loss" in r and "eval_loss" not in r]):

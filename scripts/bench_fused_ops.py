@@ -5,7 +5,8 @@ cross-entropy of the language-model loss (msa_train.loss). For each model shape 
 every arm against an fp32 reference (relative RMS error <= 5e-3 for ours, else the row is marked
 FAILED and the script exits 1 after writing its files), then times forward and forward + backward
 with ``triton.testing.do_bench`` (median) on random inputs. liger-kernel's arm runs where the
-package imports (scripts/gpu_wheels.sh carries it). Writes ``fused_ops_h200.json`` and ``.md`` to --out.
+package imports (scripts/gpu_wheels.sh carries it). Writes ``fused_ops.json`` and ``.md`` to --out (the device
+is named in both); ``--table-from fused_ops.json`` rewrites the table of a saved run.
 
     python scripts/bench_fused_ops.py --out $OUT [--Ts 65536,262144]
 """
@@ -175,11 +176,36 @@ def loss_case(T, hidden, vocab):
     dy = torch.ones((), device="cuda")
     hf = lambda: F.cross_entropy(head(h).float(), y, ignore_index=-100, reduction="sum")  # noqa: E731
     fused = lambda: chunked_linear_cross_entropy_sum(head, h, y, chunk_tokens=4096)  # noqa: E731
-    liger = (lambda: LigerFusedLinearCrossEntropyFunction.apply(h, head.weight, y, None, None, -100, 0.0, 0.0, "sum")) \
-        if LIGER else None  # noqa: E731
+    # liger 0.8.5 returns (loss, z_loss, token accuracy, predicted tokens): the loss is the first
+    liger = (lambda: LigerFusedLinearCrossEntropyFunction.apply(h, head.weight, y, None, None, -100, 0.0, 0.0,
+                                                                 "sum")[0]) if LIGER else None  # noqa: E731
     ref = lambda h32, w32: F.cross_entropy(h32 @ w32.t(), y, ignore_index=-100, reduction="sum")  # noqa: E731
     check = compare(fused, hf, ref, (h, head.weight), dy, liger)
     return check, timed(check, fused, hf, liger, dy, (h, head.weight))
+
+
+def write_table(rows, device, liger_version, path):
+    """The markdown table of the rows (also from a saved JSON: ``--table-from``)."""
+    ms = lambda r, k: f"{r[k]:.2f}" if r.get(k) is not None else "n/a"  # noqa: E731
+    err = lambda r, a: (f"{max(r[a + '_out_err'], r[a + '_grad_err']):.1e}"  # noqa: E731
+                        if f"{a}_out_err" in r and f"{a}_grad_err" in r else "n/a")
+    lines = [f"# msa_train's fused kernels against HF's code and liger-kernel {liger_version or '(not installed)'} on "
+             f"{device} (bf16, do_bench median ms)", "",
+             "ours/liger: liger's forward + backward time over ours (> 1: ours is faster). Errors: relative RMS of "
+             "outputs and gradients against the same math in fp32.", "",
+             "| model | T | op | HF fwd | ours fwd | liger fwd | HF fwd+bwd | ours fwd+bwd | liger fwd+bwd | ours vs HF | "
+             "ours vs liger | error ours | error HF | error liger |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs_liger = f"{r['vs_liger_fwd_bwd']:.2f}x" if r.get("vs_liger_fwd_bwd") is not None else "n/a"
+        lines.append(f"| {r['model']} | {r['T']:,} | {r['op']} | {ms(r, 'hf_fwd_ms')} | {ms(r, 'fused_fwd_ms')} | "
+                     f"{ms(r, 'liger_fwd_ms')} | {ms(r, 'hf_fwd_bwd_ms')} | {ms(r, 'fused_fwd_bwd_ms')} | "
+                     f"{ms(r, 'liger_fwd_bwd_ms')} | {r['speedup_fwd_bwd']:.2f}x | {vs_liger} | "
+                     f"{r['max_error']:.1e}{'' if r['ok'] else ' FAILED'} | {err(r, 'hf')} | {err(r, 'liger')} |")
+    lines += [f"- liger's arm failed for {r['model']} {r['op']}: {r['liger_error']}" for r in rows if "liger_error" in r]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main():
@@ -187,7 +213,13 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--Ts", default="65536,262144")
     ap.add_argument("--models", default="llama3_8b,qwen3_14b")
+    ap.add_argument("--table-from", help="a saved fused_ops.json: write its table to --out/fused_ops.md, run nothing")
     args = ap.parse_args()
+    if args.table_from:
+        with open(args.table_from) as f:
+            saved = json.load(f)
+        write_table(saved["rows"], saved["device"], saved.get("liger_kernel"), os.path.join(args.out, "fused_ops.md"))
+        return
     rows = []
     for model in args.models.split(","):
         hidden, hq, hk, d, inter, vocab = SHAPES[model]
@@ -213,27 +245,9 @@ def main():
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
     device = torch.cuda.get_device_name(0)
-    with open(os.path.join(args.out, "fused_ops_h200.json"), "w") as f:
+    with open(os.path.join(args.out, "fused_ops.json"), "w") as f:
         json.dump({"device": device, "liger_kernel": LIGER, "torch": torch.__version__, "rows": rows}, f, indent=1)
-    ms = lambda r, k: f"{r[k]:.2f}" if r.get(k) is not None else "n/a"  # noqa: E731
-    err = lambda r, a: f"{max(r[a + '_out_err'], r[a + '_grad_err']):.1e}" if f"{a}_out_err" in r else "n/a"  # noqa: E731
-    lines = [f"# msa_train's fused kernels against HF's code and liger-kernel {LIGER or '(not installed)'} on {device} "
-             "(bf16, do_bench median ms)", "",
-             "ours/liger: liger's forward + backward time over ours (> 1: ours is faster). Errors: relative RMS of "
-             "outputs and gradients against the same math in fp32.", "",
-             "| model | T | op | HF fwd | ours fwd | liger fwd | HF fwd+bwd | ours fwd+bwd | liger fwd+bwd | ours vs HF | "
-             "ours vs liger | error ours | error HF | error liger |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        vs_liger = f"{r['vs_liger_fwd_bwd']:.2f}x" if r["vs_liger_fwd_bwd"] is not None else "n/a"
-        lines.append(f"| {r['model']} | {r['T']:,} | {r['op']} | {ms(r, 'hf_fwd_ms')} | {ms(r, 'fused_fwd_ms')} | "
-                     f"{ms(r, 'liger_fwd_ms')} | {ms(r, 'hf_fwd_bwd_ms')} | {ms(r, 'fused_fwd_bwd_ms')} | "
-                     f"{ms(r, 'liger_fwd_bwd_ms')} | {r['speedup_fwd_bwd']:.2f}x | {vs_liger} | "
-                     f"{r['max_error']:.1e}{'' if r['ok'] else ' FAILED'} | {err(r, 'hf')} | {err(r, 'liger')} |")
-    lines += [f"- liger's arm failed for {r['model']} {r['op']}: {r['liger_error']}" for r in rows if "liger_error" in r]
-    with open(os.path.join(args.out, "fused_ops_h200.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(rows, device, LIGER, os.path.join(args.out, "fused_ops.md"))
     if not all(r["ok"] for r in rows):
         raise SystemExit("bench_fused_ops: a kernel is off the fp32 reference by more than 5e-3 (FAILED rows)")
 

@@ -26,7 +26,9 @@ one kernel that reads its input once and writes its output once:
 Why by hand and not liger-kernel's RMSNorm and RoPE: liger's kernels fail under Triton's CPU
 interpreter (they call methods on scalar arguments: ``eps.to``), where CI checks every kernel
 against its reference, and liger installs them by replacing HF's classes and functions for the
-whole process. :func:`fuse_token_ops` patches one model: its norms' and MLPs' forwards, and its
+whole process. Measured against liger-kernel 0.8.5 on an H100 (Llama-3-8B shapes, 64K tokens,
+forward + backward; benchmarks/results/fused_ops/liger_h100.md): the RMSNorm 0.96 against liger's
+1.31 ms; RoPE 0.95 against 0.94 and SwiGLU 2.49 against 2.48 ms, where liger is within 2%. :func:`fuse_token_ops` patches one model: its norms' and MLPs' forwards, and its
 attention modules' forwards, which mark (a context variable) that the RoPE applied while they run is
 to be fused. The HF module's ``apply_rotary_pos_emb`` is replaced once by a dispatcher that runs the
 kernel for those calls and HF's function for everything else. (Not a mark on the cos/sin tensors:

@@ -233,3 +233,18 @@ def test_the_planner_plans_a_grpo_step_as_its_packed_group():
             assert ref == pytest.approx(kl.parts["parameters"])
         else:
             assert 0 < ref < 0.05 * kl.parts["parameters"]
+
+
+def test_a_grpo_run_from_a_trained_model_keeps_its_training_document_record(tmp_path):
+    """Prompts are no documents, but the starting model's record of the documents it trained on
+    passes on to the GRPO run (and its export), so a later eval.only still checks its hold-out."""
+    import numpy as np
+
+    from msa_train.evaluation import TRAINING_DOCUMENTS
+
+    train(["recipe=tiny", "attention=full", "train.steps=1", "train.seq_len=256", "data.num_docs=8",
+           "train.progress=false", f"train.output_dir={tmp_path / 'lm'}"])
+    record = np.load(tmp_path / "lm" / "hf" / TRAINING_DOCUMENTS)
+    train([*RUN, "train.steps=1", "train.grad_accum=1", "train.grpo_group=2", f"model.path={tmp_path / 'lm' / 'hf'}",
+           f"train.output_dir={tmp_path / 'grpo'}"])
+    assert np.array_equal(np.load(tmp_path / "grpo" / TRAINING_DOCUMENTS), record) and len(record) == 8

@@ -1,4 +1,4 @@
-"""Prompts with answers, GRPO's data (``data.format=prompts`` or ``retrieval``; docs/data.md#prompts).
+"""Prompts with answers, GRPO's data (``data.format=prompts`` or ``retrieval``; docs/data.md#prompts-for-grpo).
 
 - ``prompts``: records of ``data.path`` with a prompt (``data.prompt_field``) and the answer its
   reward checks (``data.answer_field``). A prompt longer than ``train.seq_len`` tokens follows
@@ -38,10 +38,6 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> Dict[str, Any]:
         return {"prompt_ids": torch.tensor(self.prompts[i], dtype=torch.int64), "answer": self.answers[i]}
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        return max(map(len, self.prompts))
 
 
 def build_prompt_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int, train: bool = True

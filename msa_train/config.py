@@ -389,11 +389,11 @@ class RootConfig:
             raise ValueError(f"data.format=kto holds unpaired examples (a completion and a good/bad label), which only "
                              f"train.objective=kto trains on (got train.objective={self.train.objective!r}); "
                              "the other pair objectives need data.format=preference")
-        grpo, prompts = self.train.objective == "grpo", getattr(self.data, "format", None) in ("prompts", "retrieval")
+        grpo, prompts = self.train.objective == "grpo", fmt in ("prompts", "retrieval")
         if grpo != prompts:
             raise ValueError("train.objective=grpo and data.format=prompts|retrieval go together: GRPO samples "
                              "completions of prompts and rewards them against their answers (got train.objective="
-                             f"{self.train.objective!r}, data.format={getattr(self.data, 'format', None)!r})")
+                             f"{self.train.objective!r}, data.format={fmt!r})")
         if grpo and (self.parallel.sp_degree > 1 or self.parallel.zero_stage == 3):
             raise ValueError("train.objective=grpo samples with generate() on each rank's whole model: it needs "
                              f"parallel.sp_degree=1 and parallel.zero_stage < 3 (got {self.parallel.sp_degree} and "

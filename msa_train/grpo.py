@@ -32,6 +32,7 @@ checkpoints; the math above is the same as TRL's ``loss_type="dapo"`` with ``num
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -109,19 +110,13 @@ def pack_group(prompt: torch.Tensor, completions: Sequence[torch.Tensor], advant
         ``num_tokens``, ``advantages`` (float32 [T]: every position its document's advantage, so
         also that of the next-token target the position predicts).
     """
-    ids, labels, pos, adv, cu = [], [], [], [], [0]
+    from msa_train.data.packing import pack_segments
+
     ignore = torch.full((len(prompt),), -100, dtype=torch.int64)
-    for c, a in zip(completions, advantages.tolist()):
-        n = len(prompt) + len(c)
-        ids.append(torch.cat([prompt, c]))
-        labels.append(torch.cat([ignore, c]))
-        pos.append(torch.arange(n))
-        adv.append(torch.full((n,), float(a)))
-        cu.append(cu[-1] + n)
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    return {"input_ids": torch.cat(ids), "labels": torch.cat(labels), "position_ids": torch.cat(pos),
-            "cu_seqlens": torch.tensor(cu, dtype=torch.int32), "max_seqlen": max(lengths), "num_tokens": cu[-1],
-            "advantages": torch.cat(adv)}
+    segments = [(torch.cat([prompt, c]), torch.cat([ignore, c])) for c in completions]
+    lengths = torch.tensor([len(ids) for ids, _ in segments])
+    packed = pack_segments(segments, int(lengths.sum()), pad_id=0)  # exactly full: no padding
+    return {**packed, "advantages": advantages.float().repeat_interleave(lengths)}
 
 
 def completion_of(tokens: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
@@ -150,21 +145,16 @@ class StartingWeights:
         self.params = params
         self.state = {n: state[n].to(device=p.device, dtype=p.dtype) for n, p in params.items()}
 
+    @contextlib.contextmanager
     def swapped_in(self):
-        weights = self
-
-        class _Swap:
-            def __enter__(self):
-                self.saved = {}
-                for n, p in weights.params.items():
-                    self.saved[n], p.data = p.data, weights.state[n]
-
-            def __exit__(self, *exc):
-                for n, p in weights.params.items():
-                    p.data = self.saved[n]
-                return False
-
-        return _Swap()
+        saved = {}
+        for n, p in self.params.items():
+            saved[n], p.data = p.data, self.state[n]
+        try:
+            yield
+        finally:
+            for n, p in self.params.items():
+                p.data = saved[n]
 
     def numel(self) -> int:
         return sum(t.numel() for t in self.state.values())

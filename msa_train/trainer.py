@@ -449,9 +449,7 @@ class Trainer:
                 return
             check_resume_config(saved_config, self._run_config(), path)
             trainer_state, rank_state = self.ckpt.load(self.engine, path)
-            self.step = trainer_state["step"]
-            self.tokens_seen = trainer_state["tokens_seen"]
-            self._kto_z0.fill_(trainer_state.get("kto_z0", 0.0))
+            self._restore_counters(trainer_state)
             self.sampler.load_state_dict(rank_state["sampler"])
             self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)  # re-apply the restored rate
             self._sampler_iter = iter(self.sampler)
@@ -470,6 +468,11 @@ class Trainer:
         if path is not None and self.step >= cfg.train.steps and self.dist.is_main:
             log.warning("the resumed checkpoint is at step %d, train.steps=%d: nothing to train (raise train.steps "
                         "to continue)", self.step, cfg.train.steps)
+
+    def _restore_counters(self, trainer_state: Dict[str, Any]) -> None:
+        """The trainer's own state of a loaded checkpoint (the engine's, the RNG and the sampler's come apart)."""
+        self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        self._kto_z0.fill_(trainer_state.get("kto_z0", 0.0))
 
     def _build_logger(self) -> None:
         cfg = self.cfg
@@ -541,12 +544,17 @@ class Trainer:
             "num_tokens": int(item["num_tokens"]),  # document tokens of the whole sequence (padding left out)
         }
 
+    # micro-batch entries that stay on the host: for the step's bookkeeping, not the model
+    _HOST_ONLY = ("mean_context", "num_tokens", "index", "response_tokens", "desirable", "advantages")
+
+    def _model_inputs(self, m: Dict[str, Any]) -> Dict[str, Any]:
+        """Micro-batch m's inputs of CausalLMWithLoss, on the device."""
+        return {k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items() if k not in self._HOST_ONLY}
+
     def _forward(self, m: Dict[str, Any], **kwargs) -> torch.Tensor:
         """The engine's forward on micro-batch m (its host-only entries left out): the summed token
         loss, or with DPO's segments the loss per segment."""
-        return self.engine(**{k: (self._to_device(v) if torch.is_tensor(v) else v) for k, v in m.items()
-                              if k not in ("mean_context", "num_tokens", "index", "response_tokens", "desirable")},
-                           **kwargs)
+        return self.engine(**self._model_inputs(m), **kwargs)
 
     def _pair_logps(self, m: Dict[str, Any]) -> torch.Tensor:
         """Log-probabilities [2] of a pair's chosen and rejected sequences (segments 0 and 1 of micro-batch
@@ -897,6 +905,13 @@ class Trainer:
             log.info("GRPO reference policy: the starting values of %s trainable parameters", format_count(
                 self._grpo_reference.numel()))
 
+    def _pad_and_eos(self) -> tuple:
+        """generate()'s padding token and end tokens (none where the tokenizer has no EOS)."""
+        from msa_train.data.tokenizer import pad_token_id
+
+        eos = self.tokenizer.eos_token_id
+        return pad_token_id(self.tokenizer), [eos] if eos is not None else []
+
     def _rollouts(self, micro: List[Dict[str, Any]]) -> tuple:
         """Each prompt's group of sampled completions, rewarded and packed (msa_train/grpo.py): the
         micro-batches to train on, the step's rewards [prompts, G] on the host, the seconds spent in
@@ -905,12 +920,11 @@ class Trainer:
         The sampling draws from a generator seeded by (train.seed, rank, step): the ranks sample
         independently (each is seeded alike at the start), and a resumed run samples what the
         uninterrupted one did whatever else drew random numbers."""
-        from msa_train.data.tokenizer import pad_token_id
         from msa_train.grpo import REWARDS, group_advantages, pack_group, sample_group
 
         t, tok = self.cfg.train, self.tokenizer
         reward = REWARDS[t.grpo_reward]
-        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        pad, eos = self._pad_and_eos()
         batches, rewards, generate_s, sampled = [], [], 0.0, 0
         seed = int(np.random.SeedSequence([t.seed, self.dist.rank, self.step]).generate_state(1)[0])
         cuda = [self.device.index or 0] if self.device.type == "cuda" else []
@@ -920,7 +934,7 @@ class Trainer:
             for m in micro:
                 t0 = time.perf_counter()
                 completions = sample_group(self.model, self._to_device(m["prompt_ids"]), t.grpo_group,
-                                           t.grpo_max_new_tokens, t.grpo_temperature, pad_token_id(tok), eos)
+                                           t.grpo_max_new_tokens, t.grpo_temperature, pad, eos)
                 generate_s += time.perf_counter() - t0  # generate() returns on the host: no sync needed
                 sampled += t.grpo_group * max(len(c) for c in completions)
                 r = torch.tensor([reward(text, m["answer"]) for text in
@@ -953,9 +967,8 @@ class Trainer:
             ref = None
             if self._grpo_reference is not None:  # the starting policy's -log pi: its weights swapped in
                 with torch.no_grad(), self._grpo_reference.swapped_in():
-                    ref = self.module(**{k: self._to_device(v) if torch.is_tensor(v) else v for k, v in m.items()
-                                         if k not in ("mean_context", "num_tokens", "advantages")})
-            nll = self._forward({k: v for k, v in m.items() if k != "advantages"})  # [T]: a segment per token
+                    ref = self.module(**self._model_inputs(m))
+            nll = self._forward(m)  # [T]: a segment per token
             mask = self._to_device(m["targets"][0] != IGNORE_INDEX)
             loss, kl = grpo_token_loss(nll, self._to_device(m["advantages"]), mask, ref, t.grpo_beta)
             return loss * (world * gas) / n_global.clamp_min(1.0), torch.stack([loss.detach(), kl])
@@ -972,17 +985,15 @@ class Trainer:
 
     def _eval_grpo(self) -> Dict[str, Any]:
         """The mean reward of greedy completions of the held-out prompts (one per prompt)."""
-        from msa_train.data.tokenizer import pad_token_id
         from msa_train.grpo import REWARDS, greedy_completion
 
         t, tok = self.cfg.train, self.tokenizer
-        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        pad, eos = self._pad_and_eos()
         n = self._eval_count()
         total = torch.zeros(2, dtype=torch.float64)
         for index, counted in self._eval_shard(n):
             item = self.eval_dataset[index]
-            ids = greedy_completion(self.model, self._to_device(item["prompt_ids"]), t.grpo_max_new_tokens,
-                                    pad_token_id(tok), eos)
+            ids = greedy_completion(self.model, self._to_device(item["prompt_ids"]), t.grpo_max_new_tokens, pad, eos)
             if counted:
                 total += torch.tensor([REWARDS[t.grpo_reward](tok.decode(ids, skip_special_tokens=True),
                                                               item["answer"]), 1.0], dtype=torch.float64)
@@ -1099,8 +1110,7 @@ class Trainer:
                 "train.resume=auto and, e.g., a lower train.lr or a longer train.warmup_steps)")
         self.ckpt.verify(latest)
         trainer_state, _ = self.ckpt.load(self.engine, latest)  # the RNG too; the sampler goes on from here
-        self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
-        self._kto_z0.fill_(trainer_state.get("kto_z0", 0.0))
+        self._restore_counters(trainer_state)
         self.lr_scheduler.step(self.lr_scheduler.last_batch_iteration)  # re-apply the restored rate
         self._restored_for_nonfinite = latest
         records[:] = [r for r in records if r["step"] <= self.step]

@@ -26,6 +26,7 @@ import datasets
 import numpy as np
 import torch
 
+from .sft import fit_sft_record
 from .sources import column
 from .tokenization import IGNORE_INDEX
 
@@ -92,7 +93,7 @@ def plan_packing(lengths: np.ndarray, seq_len: int, seed: int) -> PackingPlan:
     return PackingPlan(seq_ptr=seq_ptr, doc=arr[:, 0], start=arr[:, 1], length=arr[:, 2])
 
 
-def _item(segments: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> dict:
+def pack_segments(segments: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> dict:
     """Segments of (input_ids, labels) -> one packed item (see the module docstring)."""
     input_ids = np.full(seq_len, pad_id, dtype=np.int64)
     labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
@@ -147,7 +148,7 @@ class PackedDataset(torch.utils.data.Dataset):
             row = self.tokens[int(p.doc[j])]
             s, n = p.start[j], p.length[j]
             segments.append((row["input_ids"][s:s + n], row["labels"][s:s + n]))
-        return _item(segments, self.seq_len, self.pad_id)
+        return pack_segments(segments, self.seq_len, self.pad_id)
 
     @property
     def num_tokens(self) -> int:
@@ -195,13 +196,13 @@ class PreferencePairDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         sides, _, _ = self._fit(i)
-        return _item(sides, self.seq_len, self.pad_id)
+        return pack_segments(sides, self.seq_len, self.pad_id)
 
 
 class KtoExampleDataset(torch.utils.data.Dataset):
     """Unpaired KTO examples, one per item: segment 0 is prompt + completion, then the padding;
     ``desirable`` (bool) is its label. As pairs, deliberately not packed together. An example
-    longer than T keeps its completion and the end of its prompt (:func:`fit_example`);
+    longer than T keeps its completion and the end of its prompt (``sft.fit_sft_record``, as an SFT record);
     ``num_truncated`` counts them. Items have the packed-item keys above, and ``desirable``."""
 
     def __init__(self, tokens: datasets.Dataset, seq_len: int, pad_id: int, bos_id=None):
@@ -215,23 +216,8 @@ class KtoExampleDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         row = self.tokens[i]
-        ids, lab = fit_example(row["input_ids"], row["labels"], self.seq_len, self.bos_id)
-        return {**_item([(ids, lab)], self.seq_len, self.pad_id), "desirable": bool(row["desirable"])}
-
-
-def fit_example(ids: np.ndarray, lab: np.ndarray, seq_len: int, bos_id=None) -> tuple:
-    """An example cut to ``seq_len`` tokens: its prompt (the tokens before the first label) loses its
-    beginning, after a leading BOS, until the completion fits whole; a completion longer than that
-    is cut from the right. An example that fits is unchanged. Returns (ids, labels)."""
-    if len(ids) <= seq_len:
-        return ids, lab
-    trained = np.flatnonzero(lab != IGNORE_INDEX)
-    lp = int(trained[0]) if len(trained) else len(lab)
-    head = 1 if bos_id is not None and lp and ids[0] == bos_id else 0
-    keep_p = min(lp - head, max(0, seq_len - (len(ids) - lp) - head))
-    keep_c = seq_len - head - keep_p
-    parts = (slice(0, head), slice(lp - keep_p, lp), slice(lp, lp + keep_c))
-    return np.concatenate([ids[p] for p in parts]), np.concatenate([lab[p] for p in parts])
+        ids, lab = fit_sft_record(row["input_ids"], row["labels"], self.seq_len, self.bos_id)[:2]
+        return {**pack_segments([(ids, lab)], self.seq_len, self.pad_id), "desirable": bool(row["desirable"])}
 
 
 def fit_pair(c_ids: np.ndarray, c_lab: np.ndarray, r_ids: np.ndarray, r_lab: np.ndarray, seq_len: int,

@@ -59,9 +59,9 @@ def build_prompt_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, s
 
 def _tokenized(records, cfg: DataConfig, tokenizer, seq_len: int, what: str, report) -> PromptDataset:
     from .sources import column
-    from .tokenization import _encode
+    from .tokenization import _bos, _encode
 
-    bos = [tokenizer.bos_token_id] if cfg.add_bos and tokenizer.bos_token_id is not None else []
+    bos = _bos(tokenizer, cfg.add_bos)
     prompts, answers, cut, dropped = [], [], 0, 0
     for ids, answer in zip(_encode(tokenizer, column(records, "prompt")), column(records, "answer")):
         ids = bos + ids
@@ -97,9 +97,7 @@ def _retrieval_prompts(cfg: DataConfig, tokenizer, seq_len: int, train: bool):
         texts = generate_corpus(cfg)
     haystack = Haystack(_encode(tokenizer, texts), tokenizer)
     bos = tokenizer.bos_token_id if cfg.add_bos else None
-    n_eval = round(cfg.eval_fraction * cfg.num_prompts) if cfg.eval_fraction else 0
-    if cfg.eval_fraction and n_eval < 1:
-        n_eval = 1
+    n_eval = max(1, round(cfg.eval_fraction * cfg.num_prompts)) if cfg.eval_fraction else 0
 
     def draw(count: int, stream: str) -> PromptDataset:
         prompts, answers = [], []

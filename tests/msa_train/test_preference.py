@@ -152,7 +152,10 @@ def test_unpaired_kto_records_and_their_fit(tmp_path):
     import numpy as np
 
     from msa_train.data import build_packed_datasets, byte_tokenizer
-    from msa_train.data.packing import fit_example
+    from msa_train.data.sft import fit_sft_record
+
+    def fit_example(*args, **kwargs):  # an unpaired example is cut as an SFT record is: (ids, labels)
+        return fit_sft_record(*args, **kwargs)[:2]
 
     ids, lab = np.arange(10), np.array([-100] * 6 + [6, 7, 8, 9])
     assert fit_example(ids, lab, 12)[0].tolist() == list(range(10))

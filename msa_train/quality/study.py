@@ -31,9 +31,13 @@ TASKS_ALL = ["passkey", "single_needle", "multi_key", "multi_value", "variable_t
 class Plan:
     """Sizes of the study; ``gpu()`` is the H200 study, ``tiny()`` the CPU test of the whole pipeline."""
     recipe_overrides: List[str]
-    mix_fraction: float = 0.03          # synthetic retrieval documents, as a fraction of the training tokens
+    mix_fraction: float = 0.1           # synthetic retrieval documents, as a fraction of the training tokens
     mix_tasks: List[str] = field(default_factory=lambda: list(TASKS_ALL))
-    mix_lengths: List[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384])
+    # the longest leaves room below train.seq_len (16384) for BOS/EOS and re-tokenising the text, so no
+    # synthetic document is split from its questions by packing
+    mix_lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16000])
+    mix_tokens_per_query: int = 256     # a synthetic document asks one question per this many tokens (0: one) ...
+    mix_max_queries: int = 32           # ... and at most this many
     haystack_tokens: int = 2_000_000    # training text the synthetic documents take their haystacks from
     seed_spread_retrieval: bool = False  # the second dense seed: held-out loss only
     conversion_steps: int = 32          # study B: ~10% of study A's tokens
@@ -67,7 +71,7 @@ class Plan:
                      "train.save_every=0", "train.device=cpu", "eval.max_sequences=4",
                      "eval.retrieval=[passkey,single_needle]", "eval.retrieval_lengths=[384,512]",
                      "eval.retrieval_depths=2", "eval.retrieval_probes=1", "eval.retrieval_generate=1"],
-                    mix_fraction=0.05, mix_tasks=["passkey", "single_needle"], mix_lengths=[256],
+                    mix_fraction=0.05, mix_tasks=["passkey", "single_needle"], mix_lengths=[256], mix_tokens_per_query=0,
                     haystack_tokens=20_000, conversion_steps=2, conversion_warmup=1, distill_steps=3,
                     min_piece_s=0.0, eval_reserve_s=0.0)
 
@@ -125,7 +129,10 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
             break
     mean_len = sum(plan.mix_lengths) / len(plan.mix_lengths)
     count = max(1, round(plan.mix_fraction * manifest["tokens"]["train"] / mean_len))
-    synthetic = training_texts(plan.mix_tasks, tok, Haystack(hay, tok), plan.mix_lengths, count, seed="study")
+    synthetic = training_texts(plan.mix_tasks, tok, Haystack(hay, tok), plan.mix_lengths, count, seed="study",
+                               tokens_per_query=plan.mix_tokens_per_query, max_queries=plan.mix_max_queries)
+    queries = [max(1, min(plan.mix_max_queries, n // plan.mix_tokens_per_query)) if plan.mix_tokens_per_query else 1
+               for n in plan.mix_lengths]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -135,6 +142,8 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
     (work / "data" / "mix.json").write_text(json.dumps({
         "corpus_documents": len(docs), "synthetic_documents": len(synthetic), "mix_fraction": plan.mix_fraction,
         "synthetic_tokens_approx": round(count * mean_len), "tasks": plan.mix_tasks, "lengths": plan.mix_lengths,
+        "questions_per_document": dict(zip(map(str, plan.mix_lengths), queries)),
+        "questions_approx": round(count * sum(queries) / len(queries)),
         "seed_space": "train-mix/study (evaluation probes: eval)"}, indent=2))
     return out
 

@@ -186,6 +186,65 @@ class Haystack:
         return self.ids[idx].tolist()
 
 
+def _fill(tokenizer, text: str, values: List[List[int]]) -> List[int]:
+    """``text`` with ``{i}`` placeholders as tokens, each value its own tokens (tokenised once)."""
+    out: List[int] = []
+    rest = text
+    while "{" in rest:
+        head, _, tail = rest.partition("{")
+        index, _, rest = tail.partition("}")
+        out += (_encode(tokenizer, head) if head else []) + values[int(index)]
+    return out + (_encode(tokenizer, rest) if rest else [])
+
+
+def _layout(plans: Sequence[Plan], tokenizer, haystack: Haystack, length: int, rng: random.Random,
+            bos_id: Optional[int], what: str, hint: str, max_tries: int = 20) -> Dict[str, Any]:
+    """One document of exactly ``length`` tokens: the plans' intros, a haystack window with every
+    plan's needles spliced in at their depths, then each plan's question and answer in turn."""
+    intro: List[int] = []
+    for text in dict.fromkeys(pl.intro for pl in plans):  # a repeated intro once
+        intro += _encode(tokenizer, text)
+    needles: List[Piece] = []
+    qa: List[Tuple[List[int], List[int]]] = []
+    for pl in plans:
+        values = [_encode(tokenizer, v) for v in pl.values]
+        needles += [Piece(_fill(tokenizer, t, values), d) for t, d in pl.needles]
+        qa.append((_fill(tokenizer, pl.question, values), _fill(tokenizer, pl.answer, values)))
+    bos = [bos_id] if bos_id is not None else []
+    fixed = len(bos) + len(intro) + sum(len(p.ids) for p in needles) + sum(len(q) + len(a) for q, a in qa)
+    free = length - fixed
+    if free < 0:
+        raise ValueError(f"{what}: its fixed text takes {fixed} tokens, more than its length {length}; {hint}")
+    secrets = [s for pl in plans for s in pl.secrets]
+    for _ in range(max_tries):
+        hay = haystack.window(rng, free)
+        text = tokenizer.decode(hay)
+        if not any(s in text for s in secrets):
+            break
+    else:
+        raise ValueError(f"{what}: every haystack window drawn contains a key or value; use a larger haystack")
+    # needles in the order of their depth; each goes in at its offset of the haystack
+    order = sorted(range(len(needles)), key=lambda i: (needles[i].depth, i))
+    ids, needle_at, last = bos + intro, [0] * len(needles), 0
+    for i in order:
+        cut = round(needles[i].depth * free)
+        ids += hay[last:cut]
+        needle_at[i] = len(ids)
+        ids += needles[i].ids
+        last = cut
+    ids += hay[last:]
+    labels = [IGNORE_INDEX] * len(ids)
+    question_at = []
+    for q, a in qa:
+        question_at.append(len(ids))
+        ids += q + a
+        labels += [IGNORE_INDEX] * len(q) + a
+    assert len(ids) == length, (len(ids), length)
+    return {"input_ids": torch.tensor(ids, dtype=torch.int64), "labels": torch.tensor(labels, dtype=torch.int64),
+            "needle_at": needle_at, "needle_len": [len(p.ids) for p in needles], "question_at": question_at,
+            "answers": [a for _, a in qa], "free": free, "prefix": len(bos) + len(intro)}
+
+
 def make_probe(task: str, tokenizer, haystack: Haystack, length: int, depth: float, rng: random.Random,
                bos_id: Optional[int] = None, max_tries: int = 20) -> Dict[str, Any]:
     """One probe of ``task`` of exactly ``length`` tokens, its main needle at ``depth`` of the haystack.
@@ -199,50 +258,39 @@ def make_probe(task: str, tokenizer, haystack: Haystack, length: int, depth: flo
     Raises:
         ValueError: ``length`` too short for the task's fixed text.
     """
-    plan = PLANNERS[task](rng, depth)
-    values = [_encode(tokenizer, v) for v in plan.values]
+    doc = _layout([PLANNERS[task](rng, depth)], tokenizer, haystack, length, rng, bos_id,
+                  f"retrieval task {task}, a probe", "use longer eval.retrieval_lengths", max_tries)
+    answer = doc.pop("answers")[0]
+    doc.update(answer_tokens=len(answer), question_at=doc["question_at"][0], depth=depth, task=task,
+               answer=tokenizer.decode(answer))
+    return doc
 
-    def fill(text: str) -> List[int]:  # text with {i} placeholders -> tokens, each value its own tokens
-        out: List[int] = []
-        rest = text
-        while "{" in rest:
-            head, _, tail = rest.partition("{")
-            index, _, rest = tail.partition("}")
-            out += (_encode(tokenizer, head) if head else []) + values[int(index)]
-        return out + (_encode(tokenizer, rest) if rest else [])
 
-    bos = [bos_id] if bos_id is not None else []
-    intro, question, answer = fill(plan.intro), fill(plan.question), fill(plan.answer)
-    needles = [Piece(fill(t), d) for t, d in plan.needles]
-    fixed = len(bos) + len(intro) + sum(len(p.ids) for p in needles) + len(question) + len(answer)
-    free = length - fixed
-    if free < 0:
-        raise ValueError(f"retrieval task {task}: a probe's fixed text takes {fixed} tokens, more than the "
-                         f"probe length {length}; use longer eval.retrieval_lengths")
-    for _ in range(max_tries):
-        hay = haystack.window(rng, free)
-        text = tokenizer.decode(hay)
-        if not any(s in text for s in plan.secrets):
-            break
-    else:
-        raise ValueError(f"retrieval task {task}: every haystack window drawn contains the probe's key or value; "
-                         "use a larger haystack")
-    # needles in the order of their depth; each goes in at its offset of the haystack
-    order = sorted(range(len(needles)), key=lambda i: (needles[i].depth, i))
-    ids, needle_at, last = bos + intro, [0] * len(needles), 0
-    for i in order:
-        cut = round(needles[i].depth * free)
-        ids += hay[last:cut]
-        needle_at[i] = len(ids)
-        ids += needles[i].ids
-        last = cut
-    ids += hay[last:] + question + answer
-    assert len(ids) == length, (len(ids), length)
-    labels = [IGNORE_INDEX] * (length - len(answer)) + answer
-    return {"input_ids": torch.tensor(ids, dtype=torch.int64), "labels": torch.tensor(labels, dtype=torch.int64),
-            "answer_tokens": len(answer), "needle_at": needle_at,
-            "needle_len": [len(p.ids) for p in needles], "question_at": length - len(question) - len(answer), "depth": depth, "task": task,
-            "answer": tokenizer.decode(answer), "free": free, "prefix": len(bos) + len(intro)}
+def training_document(tasks: Sequence[str], tokenizer, haystack: Haystack, length: int, queries: int,
+                      rng: random.Random) -> Dict[str, Any]:
+    """A synthetic training document of ``length`` tokens that asks ``queries`` questions: the
+    needles of ``queries`` probes (tasks drawn from ``tasks``, depths uniform) in one haystack, then
+    every question with its answer, in random order. Many questions per document give the model
+    many retrieval examples per synthetic token (one question per 2K-16K-token document, 3% of
+    13M tokens, left both models of the first study run at 0% everywhere). No two probes share a
+    key or a value, and the pass key is asked at most once, so every question has one answer.
+    Returns what ``_layout`` returns."""
+    check_tasks(tasks)
+    if queries > 1 and list(tasks) == ["passkey"]:
+        raise ValueError(f"a training document of {queries} questions: the pass key is asked at most once a document")
+    plans: List[Plan] = []
+    taken: set = set()
+    while len(plans) < queries:
+        task = rng.choice(list(tasks))
+        if task == "passkey" and "passkey" in taken:  # "What is the pass key?" has one answer only once
+            continue
+        pl = PLANNERS[task](rng, rng.random())
+        if taken.isdisjoint(pl.secrets):
+            plans.append(pl)
+            taken.update([task, *pl.secrets])
+    rng.shuffle(plans)  # the questions' order; the needles go by depth
+    return _layout(plans, tokenizer, haystack, length, rng, None, f"a training document of {queries} questions",
+                   "use longer lengths or fewer questions")
 
 
 def probe_grid(tasks: Sequence[str], tokenizer, haystack: Haystack, lengths: Sequence[int], depths: Sequence[float],
@@ -316,15 +364,17 @@ def retrieval_table(probes: Sequence[Dict[str, Any]], correct: Sequence[bool]) -
 
 
 def training_texts(tasks: Sequence[str], tokenizer, haystack: Haystack, lengths: Sequence[int], count: int,
-                   seed: str) -> List[str]:
-    """``count`` probes as plain text documents, for mixing into training data: a task, a length and
-    a depth drawn per document, from a seed space of their own (``seed`` must differ from the
-    evaluation's, so no training probe is an evaluation probe)."""
+                   seed: str, tokens_per_query: int = 0, max_queries: int = 1) -> List[str]:
+    """``count`` synthetic retrieval documents as plain text, for mixing into training data: a
+    length per document from ``lengths``, ``min(max_queries, length // tokens_per_query)`` questions
+    in it (one without ``tokens_per_query``), from a seed space of their own (``seed`` must differ
+    from the evaluation's, so no training probe is an evaluation probe)."""
     check_tasks(tasks)
     rng = random.Random(f"train-mix/{seed}")
     out = []
     for _ in range(count):
-        task, length, depth = rng.choice(list(tasks)), rng.choice(list(lengths)), rng.random()
-        p = make_probe(task, tokenizer, haystack, length, depth, rng)
-        out.append(tokenizer.decode(p["input_ids"].tolist()))
+        length = rng.choice(list(lengths))
+        queries = max(1, min(max_queries, length // tokens_per_query)) if tokens_per_query else 1
+        doc = training_document(tasks, tokenizer, haystack, length, queries, rng)
+        out.append(tokenizer.decode(doc["input_ids"].tolist()))
     return out

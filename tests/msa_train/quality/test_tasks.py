@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from msa_train.quality.tasks import (TASKS, Haystack, depth_grid, make_probe, pack_probes, probe_grid,
-                                     retrieval_table, training_texts)
+                                     retrieval_table, training_document, training_texts)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,35 @@ def test_grid_is_seeded_per_cell_and_too_short_is_refused(hay):
         make_probe("multi_key", tok, haystack, 64, 0.5, random.Random(0))
     with pytest.raises(ValueError, match="unknown task"):
         probe_grid(["needle"], tok, haystack, [600], [0.5], 1, seed="x")
+
+
+def test_training_document_asks_many_questions_each_with_one_answer(hay):
+    tok, haystack = hay
+    rng = random.Random(3)
+    for length, queries in [(1600, 3), (3200, 6)]:
+        d = training_document(list(TASKS), tok, haystack, length, queries, rng)
+        ids = d["input_ids"].tolist()
+        assert len(ids) == length and len(d["question_at"]) == queries == len(d["answers"])
+        assert sorted(d["needle_at"]) == d["needle_at"] or len(set(d["needle_at"])) == len(d["needle_at"])
+        ends = d["question_at"][1:] + [length]
+        assert d["question_at"][0] > max(d["needle_at"])  # every needle before the first question
+        body = tok.decode(ids[:d["question_at"][0]])
+        labelled = (d["labels"] != -100).nonzero().flatten().tolist()
+        want = []
+        for at, answer, end in zip(d["question_at"], d["answers"], ends):
+            assert ids[end - len(answer):end] == answer  # the answer closes its question
+            want += list(range(end - len(answer), end))
+            q = tok.decode(ids[at:end - len(answer)])
+            task = ("passkey" if "pass key" in q else "multi_value" if "What are all" in q else
+                    "variable_tracking" if "Question: which" in q else "single_needle")
+            assert oracle(task, body + q) == tok.decode(answer), (task, q)  # the reader's answer is the label
+        assert labelled == want and body.count("The pass key is") <= 1
+    text = training_texts(list(TASKS), tok, haystack, [2400], 2, seed="study", tokens_per_query=800, max_queries=3)
+    assert all(t.count("?") >= 3 for t in text)
+    with pytest.raises(ValueError, match="fixed text takes"):
+        training_document(list(TASKS), tok, haystack, 300, 8, rng)
+    with pytest.raises(ValueError, match="at most once"):
+        training_document(["passkey"], tok, haystack, 1000, 2, rng)
 
 
 def test_pack_probes_and_table(hay):

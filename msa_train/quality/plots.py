@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import List, Mapping, Sequence, Tuple
 
 Retrieval = Mapping[str, Mapping[str, Mapping[str, float]]]  # task -> length -> depth -> accuracy
 

@@ -43,7 +43,7 @@ def run_point(recipe: str, attention: str, seq_len: int, steps: int, extra: List
     point["process_s"] = round(time.perf_counter() - t0, 2)  # start to exit, startup and teardown included
     point["ok"] = proc.returncode == 0
     if proc.returncode != 0:
-        point["error"] = _oom(proc.stderr) or _error_line(proc.stderr)
+        point["error"] = _oom(proc.stderr) or _killed(proc.returncode) or _error_line(proc.stderr)
         point["stderr_tail"] = proc.stderr.strip().splitlines()[-25:]  # where it failed, for the JSON
         return point
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -63,6 +63,20 @@ def _oom(stderr: str) -> Optional[str]:
     asked = re.findall(r"Tried to allocate ([\d.]+ [KMGT]iB)", tail)
     free = re.findall(r"of which ([\d.]+ [KMGT]iB) is free", tail)
     return "OOM" + (f" ({asked[-1]} asked, {free[-1]} free)" if asked and free else "")
+
+
+def _killed(returncode: int) -> Optional[str]:
+    """A process ended by a signal says which (SIGKILL without a Python error: mostly the host's
+    out-of-memory killer), instead of the last line it happened to print."""
+    if returncode >= 0:
+        return None
+    import signal
+
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"killed by {name}" + (" (no Python error: the host's out-of-memory killer?)" if name == "SIGKILL" else "")
 
 
 def _free_port() -> int:

@@ -467,6 +467,32 @@ PLAN_CHECK = (
 )
 
 
+def _predicted_gb(overrides: Sequence[str], recipe: str = "llama3_8b_64k") -> Dict[str, float]:
+    """The planner's allocated peak (what ``torch.cuda.max_memory_allocated`` measures) and host need."""
+    from msa_train.cli import compose
+    from msa_train.parallel.planner import plan_of_config
+
+    plan = plan_of_config(compose([f"recipe={recipe}", "data=generated", *overrides]))
+    return {"predicted_gb": plan.allocated_gb, "predicted_host_gb": plan.host_gb * plan.ranks_per_host}
+
+
+def bench_rows(path: Path) -> List[Dict]:
+    """Plan-check rows from a bench result JSON (``python -m msa_train.bench``: its recipe, extra
+    overrides and each point's measured peak), so the peaks other benchmarks measured check the
+    planner too; ``source`` names the file."""
+    d = json.loads(Path(path).read_text())
+    rows = []
+    for pt in d["points"]:
+        if not pt.get("peak_memory_gb"):
+            continue
+        overrides = [*d.get("extra_overrides", []), f"train.seq_len={pt['seq_len']}", f"attention={pt['attention']}"]
+        extra = " ".join(o.split(".")[-1] for o in d.get("extra_overrides", []))
+        rows.append({"key": f"{d['recipe']} {pt['attention']} {pt['seq_len'] // 1024}K {extra}".strip(),
+                     "overrides": overrides, "recipe": d["recipe"], "measured_gb": pt["peak_memory_gb"],
+                     "error": None, "source": str(path), "device": d.get("device")})
+    return rows
+
+
 def plan_check(argv: Sequence[str]) -> List[Dict]:
     p = argparse.ArgumentParser(prog="python -m msa_train.bench plan-check",
                                 description="the memory planner against measured peaks")
@@ -474,35 +500,56 @@ def plan_check(argv: Sequence[str]) -> List[Dict]:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=int, default=540)
     p.add_argument("--tolerance", type=float, default=0.10)
+    p.add_argument("--add-bench", action="append", default=[], metavar="JSON",
+                   help="also check the peaks measured by a bench result file (python -m msa_train.bench ...)")
+    p.add_argument("--repredict", action="store_true",
+                   help="no GPU: keep the measured peaks of <out>/points.jsonl and predict them again with "
+                        "the current planner (after a change to it)")
     args = p.parse_args(list(argv))
     from msa_train import bench_points as bench
-    from msa_train.cli import compose
-    from msa_train.parallel.planner import plan_of_config
 
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     rows = load_points(out / "points.jsonl")
-    for overrides, label in PLAN_CHECK:
-        if label in rows:
-            continue
-        base = ["recipe=llama3_8b_64k", "data=generated", *overrides]
-        predicted = plan_of_config(compose(base)).peak_gb
-        att = next(o.split("=")[1] for o in overrides if o.startswith("attention="))
-        T = int(next(o.split("=")[1] for o in overrides if o.startswith("train.seq_len=")))
-        rest = [o for o in overrides if not o.startswith(("attention=", "train.seq_len="))]
-        point = bench.run_point("llama3_8b_64k", att, T, args.steps, rest, out / "runs", args.timeout)
-        measured = point.get("peak_memory_gb")
-        row = {"key": label, "overrides": overrides, "predicted_gb": predicted, "measured_gb": measured,
-               "error": point.get("error"),
-               "relative_error": (predicted - measured) / measured if measured else None}
-        with (out / "points.jsonl").open("a") as f:
+    for path in args.add_bench:
+        for row in bench_rows(Path(path)):
+            rows.setdefault(row["key"], row)
+    if not args.repredict:
+        for overrides, label in PLAN_CHECK:
+            if label in rows:
+                continue
+            att = next(o.split("=")[1] for o in overrides if o.startswith("attention="))
+            T = int(next(o.split("=")[1] for o in overrides if o.startswith("train.seq_len=")))
+            rest = [o for o in overrides if not o.startswith(("attention=", "train.seq_len="))]
+            point = bench.run_point("llama3_8b_64k", att, T, args.steps, rest, out / "runs", args.timeout)
+            import torch
+
+            rows[label] = {"key": label, "overrides": list(overrides), "recipe": "llama3_8b_64k",
+                           "measured_gb": point.get("peak_memory_gb"), "error": point.get("error"),
+                           "source": "plan-check",
+                           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    for row in rows.values():  # every row predicted by the current planner
+        row |= _predicted_gb(row["overrides"], row.get("recipe", "llama3_8b_64k"))
+        m = row["measured_gb"]
+        row["relative_error"] = (row["predicted_gb"] - m) / m if m else None
+    with (out / "points.jsonl").open("w") as f:
+        for row in rows.values():
             f.write(json.dumps(row) + "\n")
-        rows[label] = row
     table = list(rows.values())
-    lines = ["| configuration | predicted GiB | measured GiB | error |", "|---|---|---|---|"]
-    lines += [f"| {r['key']} | {r['predicted_gb']:.1f} | " + (f"{r['measured_gb']:.1f} | {r['relative_error']:+.1%}"
-              if r["measured_gb"] else f"- | {r['error']}") + " |" for r in table]
-    within = sum(1 for r in table if r["relative_error"] is not None and abs(r["relative_error"]) <= args.tolerance)
-    lines += ["", f"{within} of {len(table)} within {args.tolerance:.0%}"]
+    lines = ["Peak device memory per GPU: the planner's allocated peak (`allocated_gb`, without its "
+             "context margin) against `torch.cuda.max_memory_allocated` of a 2-step run.", "",
+             "| configuration | measured on | predicted GiB | measured GiB | error |", "|---|---|---|---|---|"]
+    for r in table:
+        where = r.get("device") or "-"
+        if r["measured_gb"]:
+            lines.append(f"| {r['key']} | {where} | {r['predicted_gb']:.1f} | {r['measured_gb']:.1f} | "
+                         f"{r['relative_error']:+.1%} |")
+        else:
+            lines.append(f"| {r['key']} | {where} | {r['predicted_gb']:.1f} (host {r['predicted_host_gb']:.0f}) | "
+                         f"- | {r['error']} |")
+    measured = [r for r in table if r["relative_error"] is not None]
+    within = sum(1 for r in measured if abs(r["relative_error"]) <= args.tolerance)
+    lines += ["", f"{within} of {len(measured)} measured configurations within {args.tolerance:.0%}"]
     (out / "latest.md").write_text("\n".join(lines) + "\n")
     (out / "latest.json").write_text(json.dumps(table, indent=2))
     print("\n".join(lines))

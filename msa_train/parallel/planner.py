@@ -12,7 +12,8 @@ What is counted, per GPU (bytes; ``N`` = ZeRO ranks = the world size, ``P`` = pa
   (12P of optimizer state), plus, during the step, the gradients cast to fp32 for the master
   update, 4P. ZeRO-0 (DeepSpeed's FP16_Optimizer in bf16) keeps all of it on every rank; ZeRO-1
   shards the 12P + 4P; ZeRO-2 the gradients too; ZeRO-3 the parameters too (plus one layer
-  gathered at a time). ``offload_optimizer`` moves the 12P + 4P shard to host memory (pinned),
+  gathered at a time). ``offload_optimizer`` moves the 12P + 4P shard to host memory (pinned), where
+  the gradients go as they are reduced (no device gradient partition),
   ``offload_params`` the parameter shard. fp32 training (the CPU default): 4P parameters, 4P
   gradients, 8P moments, no master copy. With LoRA (``model.lora.r > 0``) gradients and optimizer
   state are those of the trainable parameters only: the adapters, and NSA's own by ``model.lora.nsa``.
@@ -28,10 +29,14 @@ What is counted, per GPU (bytes; ``N`` = ZeRO ranks = the world size, ``P`` = pa
 * **Loss**: one chunk of fp32 logits and their gradient (``train.loss_chunk_tokens`` x vocab), and
   the fused loss's head-weight gradient held from its forward to its backward.
 
-The peak is the larger of the forward/backward peak (model state without the step's fp32
-gradients, plus activations, workspace and loss) and the optimizer step's (model state with them).
-A margin for the allocator and the CUDA context (``OVERHEAD_GB``) is added. The numbers are a model:
-``python -m msa_train.bench plan-check`` compares them with measured peaks (docs/trainer.md).
+The peak is the larger of the forward/backward peak and the optimizer step's (model state with
+the step's fp32 gradients). The forward/backward peak is the model state without them, the kept
+activations, the loss's held head gradient, and the larger of two transients alive one after the
+other: the loss chunk (freed before the layers' backward starts) and one layer's recompute and
+backward with the attention workspace. A margin for the allocator and the CUDA context
+(``OVERHEAD_GB``) is added; ``allocated_gb`` is the peak without it, what
+``torch.cuda.max_memory_allocated`` measures. The numbers are a model: ``python -m msa_train.bench
+plan-check`` compares ``allocated_gb`` with measured peaks (docs/trainer.md).
 """
 from __future__ import annotations
 
@@ -136,6 +141,7 @@ class Plan:
     """A prediction, in GiB per GPU unless named otherwise."""
     parts: Dict[str, float]        # device GiB by part (model state, activations, ...)
     peak_gb: float                 # the larger of the backward's and the optimizer step's peak, + overhead
+    allocated_gb: float            # the same without the overhead: what torch.cuda.max_memory_allocated would say
     host_gb: float                 # host memory per rank: offloaded optimizer state, parameters, activations
     gpu_gb: float
     host_limit_gb: Optional[float]
@@ -154,7 +160,8 @@ class Plan:
         return self.workload.world_size  # one host: the planner plans single-node runs
 
     def to_dict(self) -> Dict:
-        return {"fits": self.fits, "peak_gb": round(self.peak_gb, 2), "gpu_gb": self.gpu_gb,
+        return {"fits": self.fits, "peak_gb": round(self.peak_gb, 2), "allocated_gb": round(self.allocated_gb, 2),
+                "gpu_gb": self.gpu_gb,
                 "host_gb_per_rank": round(self.host_gb, 2), "host_gb_all_ranks": round(self.host_gb * self.ranks_per_host, 2),
                 "host_limit_gb": self.host_limit_gb, "parts_gb": {k: round(v, 3) for k, v in self.parts.items()},
                 "options": dataclasses.asdict(self.options), "workload": dataclasses.asdict(self.workload),
@@ -186,8 +193,11 @@ def model_state_bytes(params: int, opt: Options, world_size: int, bf16: bool = T
            "step_fp32_gradients": step_b * t / (n if z >= 1 else 1),
            "host_parameters": 0.0, "host_optimizer": 0.0}
     if opt.offload_optimizer and z >= 1:
+        # DeepSpeed's CPU offload copies each reduced gradient partition straight into the host's fp32
+        # buffer (the step's fp32 gradients): the device keeps no gradient partition (plan-check: the
+        # 16-layer 64K point measured 31.2 GiB, 8.4 GiB of bf16 gradients below the plan that kept them)
         out["host_optimizer"] = out["optimizer_state"] + out["step_fp32_gradients"]
-        out["optimizer_state"] = out["step_fp32_gradients"] = 0.0
+        out["optimizer_state"] = out["step_fp32_gradients"] = out["gradients"] = 0.0
     if opt.offload_params and z == 3:
         out["host_parameters"] = out["parameters"]
         out["parameters"] = 0.0
@@ -286,11 +296,14 @@ def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[st
     out["attention_workspace"] = attention_workspace_bytes(shape, work, q_heads, kv_heads, a)
     chunk = min(work.loss_chunk_tokens, t_local)
     # one chunk of fp32 logits (its softmax turned into its gradient in place) and the hidden states'
-    # gradient, kept in the model's dtype from the forward to the backward
-    loss = 4 * chunk * shape.vocab + a * H * t_local
+    # gradient, kept in the model's dtype from the forward to the backward. The chunk is freed before
+    # the layers' backward starts, so it counts against the layers' working memory, not on top of it
+    # (predict); what the loss holds into the layers' backward is ``loss_held``.
+    out["loss"] = 4 * chunk * shape.vocab + a * H * t_local
+    held = 0.0
     if work.loss_impl == "fused" and shape.trainable is None:  # (LoRA freezes the head: no weight gradient)
-        loss += a * shape.vocab * H  # the head's weight gradient, held from the forward to the backward
-    out["loss"] = loss
+        held = a * shape.vocab * H  # the head's weight gradient, held from the forward to the backward
+    out["loss_held"] = held
     return out
 
 
@@ -310,11 +323,12 @@ def predict(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H20
     parts = {"parameters": state["parameters"], "reference_weights": reference, "gradients": state["gradients"],
              "optimizer_state": state["optimizer_state"], "zero3_gathered_layer": gathered,
              "activations_kept": act["activations_kept"], "layer_working": act["layer_working"],
-             "attention_workspace": act["attention_workspace"], "loss": act["loss"],
+             "attention_workspace": act["attention_workspace"], "loss": act["loss"], "loss_held": act["loss_held"],
              "step_fp32_gradients": state["step_fp32_gradients"]}
     resident = parts["parameters"] + reference + parts["gradients"] + parts["optimizer_state"]
-    backward_peak = resident + gathered + act["activations_kept"] + act["layer_working"] \
-        + act["attention_workspace"] + act["loss"]
+    # the loss's chunk of logits and the layers' recompute-and-backward are alive one after the other
+    transient = max(act["loss"], act["layer_working"] + act["attention_workspace"])
+    backward_peak = resident + gathered + act["activations_kept"] + act["loss_held"] + transient
     step_peak = resident + state["step_fp32_gradients"]
     peak = max(backward_peak, step_peak) / GiB + OVERHEAD_GB
     host = (state["host_parameters"] + state["host_optimizer"] + act["host_activations"]) / GiB
@@ -322,10 +336,12 @@ def predict(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H20
     parts_gb |= {"host_parameters": state["host_parameters"] / GiB, "host_optimizer": state["host_optimizer"] / GiB,
                  "host_activations": act["host_activations"] / GiB}
     notes = [f"peak = max(backward {backward_peak / GiB:.1f}, optimizer step {step_peak / GiB:.1f}) GiB "
-             f"+ {OVERHEAD_GB} GiB context and fragmentation"]
+             f"+ {OVERHEAD_GB} GiB context and fragmentation; the backward counts the larger of the loss chunk "
+             f"({act['loss'] / GiB:.1f}) and the layer's working memory with the attention workspace "
+             f"({(act['layer_working'] + act['attention_workspace']) / GiB:.1f}), which are alive one after the other"]
     if opt.sp_degree > shape.kv_heads:
         notes.append(f"sp_degree {opt.sp_degree} > {shape.kv_heads} KV heads: each rank holds one KV head (replicated)")
-    return Plan(parts=parts_gb, peak_gb=peak, host_gb=host, gpu_gb=gpu_gb, host_limit_gb=host_limit_gb,
+    return Plan(parts=parts_gb, peak_gb=peak, allocated_gb=peak - OVERHEAD_GB, host_gb=host, gpu_gb=gpu_gb, host_limit_gb=host_limit_gb,
                 options=opt, workload=work, notes=notes)
 
 
@@ -427,7 +443,8 @@ PART_LABELS = {
     "gradients": "gradients", "optimizer_state": "optimizer state (fp32 master + AdamW)",
     "zero3_gathered_layer": "ZeRO-3: one layer gathered", "activations_kept": "activations kept by every layer",
     "layer_working": "one layer recomputed + its backward", "attention_workspace": "attention workspace",
-    "loss": "logits / loss chunk", "step_fp32_gradients": "optimizer step: fp32 gradients",
+    "loss": "logits / loss chunk (before the layers' backward)",
+    "loss_held": "head weight gradient (fused loss)", "step_fp32_gradients": "optimizer step: fp32 gradients",
     "host_parameters": "host: parameters", "host_optimizer": "host: optimizer state",
     "host_activations": "host: layer inputs",
 }

@@ -137,3 +137,31 @@ def test_profile_summary_sorts_device_time_by_kind():
     assert kernel_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collectives (NCCL)"
     assert kernel_kind("_ce_rows_kernel") == "cross-entropy rows (Triton)"
     assert "| flash_msa (Triton) | 5.0 | 27.0% |" in profile_table(s)
+
+
+def test_plan_check_repredicts_measured_peaks_and_reads_bench_files(tmp_path):
+    """plan-check without a GPU: the measured peaks stay, the current planner predicts them again,
+    and a bench result file's points join the table; a point that did not run shows its error."""
+    from msa_train.bench_report import _predicted_gb, plan_check
+    from msa_train.bench_points import _killed
+
+    lora = ["model.lora.r=16", "model.lora.alpha=32"]
+    pred = _predicted_gb([*lora, "train.seq_len=65536", "attention=full"])["predicted_gb"]
+    (tmp_path / "bench.json").write_text(json.dumps({
+        "recipe": "llama3_8b_64k", "device": "gpu", "extra_overrides": lora,
+        "points": [{"attention": "full", "seq_len": 65536, "peak_memory_gb": pred * 1.25, "ok": True},
+                   {"attention": "fmsa", "seq_len": 65536, "ok": False, "error": "OOM"}]}))
+    row = {"key": "4 layers 64K full", "overrides": ["model.hf_config.num_hidden_layers=4", "train.seq_len=65536",
+           "attention=full"], "measured_gb": 44.44, "error": None, "predicted_gb": 1.0, "device": "gpu"}
+    failed = {"key": "failed", "overrides": ["train.seq_len=65536", "attention=fmsa"], "measured_gb": None,
+              "error": _killed(-9), "device": "gpu"}
+    (tmp_path / "points.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(failed) + "\n")
+    table = {r["key"]: r for r in plan_check(["--out", str(tmp_path), "--repredict",
+                                              "--add-bench", str(tmp_path / "bench.json")])}
+    assert table["4 layers 64K full"]["predicted_gb"] != 1.0  # predicted again, measured kept
+    assert table["4 layers 64K full"]["measured_gb"] == 44.44
+    added = table["llama3_8b_64k full 64K r=16 alpha=32"]
+    assert added["relative_error"] == pytest.approx(-0.2) and len(table) == 3  # the OOM point has no peak
+    md = (tmp_path / "latest.md").read_text()
+    assert "killed by SIGKILL" in md and "1 of 2 measured configurations within 10%" in md
+    assert _killed(0) is None

@@ -132,7 +132,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     weight's dtype (one rounding per chunk, as autograd's sum of the chunks' gradients). On CUDA
     the per-row loss and gradient come from :func:`_ce_rows_triton` (liger-kernel's fused linear
     CE, which does the same, syncs the host twice a call: ``.item()`` in its forward and
-    ``torch.equal`` in its backward; a training step here has no host sync).
+    ``torch.equal`` in its backward; a training step here has no host sync). Measured against
+    liger-kernel 0.8.5 on an H100 (16K tokens, Llama-3-8B's head, forward + backward, bf16;
+    benchmarks/results/fused_ops/liger_h100.md): ours 78.9 ms, liger's 93.6, HF's 105.3.
     """
 
     @staticmethod

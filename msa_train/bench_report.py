@@ -503,14 +503,16 @@ def plan_check(argv: Sequence[str]) -> List[Dict]:
     p.add_argument("--add-bench", action="append", default=[], metavar="JSON",
                    help="also check the peaks measured by a bench result file (python -m msa_train.bench ...)")
     p.add_argument("--repredict", action="store_true",
-                   help="no GPU: keep the measured peaks of <out>/points.jsonl and predict them again with "
+                   help="no GPU: keep the measured peaks of <out>/latest.json and points.jsonl and predict them again with "
                         "the current planner (after a change to it)")
     args = p.parse_args(list(argv))
     from msa_train import bench_points as bench
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = load_points(out / "points.jsonl")
+    # the last table (latest.json, what the maintainers commit), then the points measured since
+    rows = {r["key"]: r for r in json.loads((out / "latest.json").read_text())} if (out / "latest.json").is_file() else {}
+    rows |= load_points(out / "points.jsonl")
     for path in args.add_bench:
         for row in bench_rows(Path(path)):
             rows.setdefault(row["key"], row)
@@ -528,13 +530,12 @@ def plan_check(argv: Sequence[str]) -> List[Dict]:
                            "measured_gb": point.get("peak_memory_gb"), "error": point.get("error"),
                            "source": "plan-check",
                            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+            with (out / "points.jsonl").open("a") as f:  # each measured point kept as it comes
+                f.write(json.dumps(rows[label]) + "\n")
     for row in rows.values():  # every row predicted by the current planner
         row |= _predicted_gb(row["overrides"], row.get("recipe", "llama3_8b_64k"))
         m = row["measured_gb"]
         row["relative_error"] = (row["predicted_gb"] - m) / m if m else None
-    with (out / "points.jsonl").open("w") as f:
-        for row in rows.values():
-            f.write(json.dumps(row) + "\n")
     table = list(rows.values())
     lines = ["Peak device memory per GPU: the planner's allocated peak (`allocated_gb`, without its "
              "context margin) against `torch.cuda.max_memory_allocated` of a 2-step run.", "",

@@ -178,10 +178,12 @@ class Haystack:
         self.ids = torch.tensor(ids, dtype=torch.int64)
         self.tokenizer = tokenizer
 
-    def window(self, rng: random.Random, n: int) -> List[int]:
-        """n tokens starting at a random document start (wrapping around the stream)."""
+    def window(self, rng: random.Random, n: int, anywhere: bool = False) -> List[int]:
+        """n tokens starting at a random document start (wrapping around the stream), or with
+        ``anywhere`` at any token: training documents take their haystacks anywhere, since a few
+        dozen documents' starts would give hundreds of synthetic documents the same text."""
         total = len(self.ids)
-        start = rng.choice(self.starts)
+        start = rng.randrange(total) if anywhere else rng.choice(self.starts)
         idx = (torch.arange(n) + start) % total
         return self.ids[idx].tolist()
 
@@ -198,7 +200,7 @@ def _fill(tokenizer, text: str, values: List[List[int]]) -> List[int]:
 
 
 def _layout(plans: Sequence[Plan], tokenizer, haystack: Haystack, length: int, rng: random.Random,
-            bos_id: Optional[int], what: str, hint: str, max_tries: int = 20) -> Dict[str, Any]:
+            bos_id: Optional[int], what: str, hint: str, max_tries: int = 20, anywhere: bool = False) -> Dict[str, Any]:
     """One document of exactly ``length`` tokens: the plans' intros, a haystack window with every
     plan's needles spliced in at their depths, then each plan's question and answer in turn."""
     intro: List[int] = []
@@ -217,7 +219,7 @@ def _layout(plans: Sequence[Plan], tokenizer, haystack: Haystack, length: int, r
         raise ValueError(f"{what}: its fixed text takes {fixed} tokens, more than its length {length}; {hint}")
     secrets = [s for pl in plans for s in pl.secrets]
     for _ in range(max_tries):
-        hay = haystack.window(rng, free)
+        hay = haystack.window(rng, free, anywhere)
         text = tokenizer.decode(hay)
         if not any(s in text for s in secrets):
             break
@@ -290,7 +292,7 @@ def training_document(tasks: Sequence[str], tokenizer, haystack: Haystack, lengt
             taken.update([task, *pl.secrets])
     rng.shuffle(plans)  # the questions' order; the needles go by depth
     return _layout(plans, tokenizer, haystack, length, rng, None, f"a training document of {queries} questions",
-                   "use longer lengths or fewer questions")
+                   "use longer lengths or fewer questions", anywhere=True)
 
 
 def probe_grid(tasks: Sequence[str], tokenizer, haystack: Haystack, lengths: Sequence[int], depths: Sequence[float],

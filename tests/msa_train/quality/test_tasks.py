@@ -105,6 +105,8 @@ def test_training_document_asks_many_questions_each_with_one_answer(hay):
                     "variable_tracking" if "Question: which" in q else "single_needle")
             assert oracle(task, body + q) == tok.decode(answer), (task, q)  # the reader's answer is the label
         assert labelled == want and body.count("The pass key is") <= 1
+    starts = {tuple(haystack.window(random.Random(i), 8, anywhere=True)) for i in range(40)}
+    assert len(starts) > len(haystack.starts)  # training haystacks start anywhere, not at a few document starts
     text = training_texts(list(TASKS), tok, haystack, [2400], 2, seed="study", tokens_per_query=800, max_queries=3)
     assert all(t.count("?") >= 3 for t in text)
     with pytest.raises(ValueError, match="fixed text takes"):

@@ -517,6 +517,9 @@ def plan_check(argv: Sequence[str]) -> List[Dict]:
         for row in bench_rows(Path(path)):
             rows.setdefault(row["key"], row)
     if not args.repredict:
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         for overrides, label in PLAN_CHECK:
             if label in rows:
                 continue
@@ -524,12 +527,9 @@ def plan_check(argv: Sequence[str]) -> List[Dict]:
             T = int(next(o.split("=")[1] for o in overrides if o.startswith("train.seq_len=")))
             rest = [o for o in overrides if not o.startswith(("attention=", "train.seq_len="))]
             point = bench.run_point("llama3_8b_64k", att, T, args.steps, rest, out / "runs", args.timeout)
-            import torch
-
             rows[label] = {"key": label, "overrides": list(overrides), "recipe": "llama3_8b_64k",
                            "measured_gb": point.get("peak_memory_gb"), "error": point.get("error"),
-                           "source": "plan-check",
-                           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+                           "source": "plan-check", "device": device}
             with (out / "points.jsonl").open("a") as f:  # each measured point kept as it comes
                 f.write(json.dumps(rows[label]) + "\n")
     for row in rows.values():  # every row predicted by the current planner

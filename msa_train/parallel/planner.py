@@ -141,7 +141,6 @@ class Plan:
     """A prediction, in GiB per GPU unless named otherwise."""
     parts: Dict[str, float]        # device GiB by part (model state, activations, ...)
     peak_gb: float                 # the larger of the backward's and the optimizer step's peak, + overhead
-    allocated_gb: float            # the same without the overhead: what torch.cuda.max_memory_allocated would say
     host_gb: float                 # host memory per rank: offloaded optimizer state, parameters, activations
     gpu_gb: float
     host_limit_gb: Optional[float]
@@ -149,6 +148,11 @@ class Plan:
     workload: Workload
     notes: List[str] = field(default_factory=list)
     fix: Optional[List[str]] = None  # overrides that make it fit (the ladder), when it does not
+
+    @property
+    def allocated_gb(self) -> float:
+        """The peak without the overhead: what ``torch.cuda.max_memory_allocated`` would say."""
+        return self.peak_gb - OVERHEAD_GB
 
     @property
     def fits(self) -> bool:
@@ -341,7 +345,7 @@ def predict(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H20
              f"({(act['layer_working'] + act['attention_workspace']) / GiB:.1f}), which are alive one after the other"]
     if opt.sp_degree > shape.kv_heads:
         notes.append(f"sp_degree {opt.sp_degree} > {shape.kv_heads} KV heads: each rank holds one KV head (replicated)")
-    return Plan(parts=parts_gb, peak_gb=peak, allocated_gb=peak - OVERHEAD_GB, host_gb=host, gpu_gb=gpu_gb, host_limit_gb=host_limit_gb,
+    return Plan(parts=parts_gb, peak_gb=peak, host_gb=host, gpu_gb=gpu_gb, host_limit_gb=host_limit_gb,
                 options=opt, workload=work, notes=notes)
 
 

@@ -111,7 +111,7 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
     """``<work>/data/train_mix.jsonl``: the corpus's training documents plus synthetic retrieval
     documents (``plan.mix_fraction`` of the training tokens), from the same task generators as the
     evaluation but a seed space of their own and a haystack of training text. Written once."""
-    from msa_train.quality.tasks import Haystack, training_texts
+    from msa_train.quality.tasks import Haystack, questions_per_document, training_texts
 
     out = work / "data" / "train_mix.jsonl"
     if out.is_file():
@@ -130,8 +130,7 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
     count = max(1, round(plan.mix_fraction * manifest["tokens"]["train"] / mean_len))
     synthetic = training_texts(plan.mix_tasks, tok, Haystack(hay, tok), plan.mix_lengths, count, seed="study",
                                tokens_per_query=plan.mix_tokens_per_query, max_queries=plan.mix_max_queries)
-    queries = [max(1, min(plan.mix_max_queries, n // plan.mix_tokens_per_query)) if plan.mix_tokens_per_query else 1
-               for n in plan.mix_lengths]
+    queries = [questions_per_document(n, plan.mix_tokens_per_query, plan.mix_max_queries) for n in plan.mix_lengths]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:

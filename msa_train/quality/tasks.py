@@ -365,18 +365,24 @@ def retrieval_table(probes: Sequence[Dict[str, Any]], correct: Sequence[bool]) -
     return out
 
 
+def questions_per_document(length: int, tokens_per_query: int = 0, max_queries: int = 1) -> int:
+    """How many questions a synthetic training document of ``length`` tokens asks: one per
+    ``tokens_per_query`` tokens, at least one and at most ``max_queries`` (one without ``tokens_per_query``)."""
+    return max(1, min(max_queries, length // tokens_per_query)) if tokens_per_query else 1
+
+
 def training_texts(tasks: Sequence[str], tokenizer, haystack: Haystack, lengths: Sequence[int], count: int,
                    seed: str, tokens_per_query: int = 0, max_queries: int = 1) -> List[str]:
     """``count`` synthetic retrieval documents as plain text, for mixing into training data: a
-    length per document from ``lengths``, ``min(max_queries, length // tokens_per_query)`` questions
-    in it (one without ``tokens_per_query``), from a seed space of their own (``seed`` must differ
+    length per document from ``lengths``, ``questions_per_document`` questions in it, from a seed
+    space of their own (``seed`` must differ
     from the evaluation's, so no training probe is an evaluation probe)."""
     check_tasks(tasks)
     rng = random.Random(f"train-mix/{seed}")
     out = []
     for _ in range(count):
         length = rng.choice(list(lengths))
-        queries = max(1, min(max_queries, length // tokens_per_query)) if tokens_per_query else 1
+        queries = questions_per_document(length, tokens_per_query, max_queries)
         doc = training_document(tasks, tokenizer, haystack, length, queries, rng)
         out.append(tokenizer.decode(doc["input_ids"].tolist()))
     return out

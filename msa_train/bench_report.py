@@ -53,11 +53,22 @@ def fastest_options(point: "Point", fits: Callable[[List[str]], bool]) -> Tuple[
     return FAST_CANDIDATES[-1]
 
 
-def planner_fits(overrides: List[str]) -> bool:
+def planner_verdict(overrides: List[str]) -> Optional[str]:
+    """None where the planner predicts that ``overrides`` (on recipe llama3_8b_64k) fit this machine's
+    GPU and the host memory available now, else why not."""
     from msa_train.cli import compose
-    from msa_train.parallel.planner import plan_of_config
+    from msa_train.parallel.planner import host_available_gb, plan_of_config
 
-    return plan_of_config(compose(["recipe=llama3_8b_64k", "data=generated", *overrides])).fits
+    plan = plan_of_config(compose(["recipe=llama3_8b_64k", "data=generated", *overrides]),
+                          host_limit_gb=host_available_gb())
+    if plan.fits:
+        return None
+    return (f"predicted not to fit: {plan.peak_gb:.1f} of {plan.gpu_gb:.0f} GiB per GPU, "
+            f"{plan.host_gb:.1f} of {plan.host_limit_gb:.0f} GiB of host memory")
+
+
+def planner_fits(overrides: List[str]) -> bool:
+    return planner_verdict(overrides) is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,15 +84,19 @@ class Point:
         return f"{self.model}/{self.attention}/{self.seq_len}/{self.layers}/{self.options}"
 
 
-def grid(models: Sequence[str], seq_lens: Sequence[int], depths: Optional[Sequence[int]] = None) -> List[Point]:
-    """Every point of the report: each model at full depth and at the fit depths, each arm, both options."""
+def grid(models: Sequence[str], seq_lens: Sequence[int], depths: Optional[Sequence[int]] = None,
+         options: Sequence[str] = ("same", "fastest")) -> List[Point]:
+    """Every point of the report: each model at full depth and at the fit depths, each arm, the given
+    options (outermost, so that a report split over device calls finishes one comparison first)."""
     points = []
-    for model in models:
-        full = SHAPES.get(model, max(depths or FIT_DEPTHS))
-        layer_list = sorted({*(depths or FIT_DEPTHS), *([full] if model == "llama3_8b" or depths else [])})
-        for T in seq_lens:
-            for L in layer_list:
-                for opts in ("same", "fastest"):
+    for opts in options:
+        if opts not in ("same", "fastest"):
+            raise ValueError(f"options: expected 'same' or 'fastest', got {opts!r}")
+        for model in models:
+            full = SHAPES.get(model, max(depths or FIT_DEPTHS))
+            layer_list = sorted({*(depths or FIT_DEPTHS), *([full] if model == "llama3_8b" or depths else [])})
+            for T in seq_lens:
+                for L in layer_list:
                     points.extend(Point(model, a, T, L, opts) for a in ARMS)
     return points
 
@@ -297,11 +312,18 @@ def profiled_step(steps: int) -> str:
     return f"train.profile_step={steps}"
 
 
-def measure_point(point: Point, steps: int, warmup: int, timeout: int, workdir: Path, device: str) -> Dict:
-    """One point as a fresh process (bench.run_point); its step time, peak memory, phases and kernels."""
+def measure_point(point: Point, steps: int, warmup: int, timeout: int, workdir: Path, device: str,
+                  verdict: Callable[[List[str]], Optional[str]] = planner_verdict) -> Dict:
+    """One point as a fresh process (bench.run_point); its step time, peak memory, phases and kernels.
+    A point the planner predicts not to fit this machine (``verdict``) is recorded as failed, with the
+    prediction, and not run: a full-depth point that needs more host memory than there is would only
+    be killed minutes later."""
     from msa_train import bench_points as bench
 
     overrides = point_overrides(point)
+    why = verdict([*overrides, f"attention={point.attention}", f"train.seq_len={point.seq_len}"])
+    if why:
+        return {"ok": False, "error": why, "skipped": True, "device": device, "overrides": overrides}
     p = bench.run_point("llama3_8b_64k", point.attention, point.seq_len, steps, [*overrides, profiled_step(steps)],
                         workdir, timeout)
     tps = bench.summarise(p, warmup)
@@ -338,6 +360,7 @@ def report(argv: Sequence[str]) -> List[Dict]:
     p.add_argument("--models", default="llama3_8b,qwen3_14b,qwen25_32b")
     p.add_argument("--seq-lens", default="65536,131072,262144")
     p.add_argument("--depths", default=None, help="comma-separated depths (default 4,8,16 and Llama3-8B's 32)")
+    p.add_argument("--options", default="same,fastest", help="which comparisons: same, fastest or both")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=540, help="seconds per point")
@@ -352,7 +375,7 @@ def report(argv: Sequence[str]) -> List[Dict]:
     out = Path(args.out)
     models = args.models.split(",")
     depths = [int(x) for x in args.depths.split(",")] if args.depths else None
-    points = grid(models, [int(x) for x in args.seq_lens.split(",")], depths)
+    points = grid(models, [int(x) for x in args.seq_lens.split(",")], depths, args.options.split(","))
     work = out / "runs"
     rows = run_grid(points, out / "points.jsonl",
                     lambda pt: measure_point(pt, args.steps, args.warmup, args.timeout, work, device),

@@ -144,7 +144,52 @@ def test_a_point_profiles_its_last_step_and_times_the_others(tmp_path, monkeypat
 
     monkeypatch.setattr(bench_points, "run_point", fake_run_point)
     point = bench_report.grid(["llama3_8b"], [1024], depths=[4])[0]
-    row = bench_report.measure_point(point, steps=4, warmup=1, timeout=10, workdir=tmp_path, device="cpu")
+    row = bench_report.measure_point(point, steps=4, warmup=1, timeout=10, workdir=tmp_path, device="cpu",
+                                     verdict=lambda overrides: None)
     assert "train.profile_step=4" in seen["extra"]
     assert row["step_s"] == pytest.approx(1024 / 100.0)  # the profiled step is not timed
     assert row["breakdown"]["attention"] == pytest.approx(0.25) and row["breakdown"]["rest_of_layers"] == 0.75
+
+
+def test_a_point_the_planner_rules_out_is_recorded_with_the_prediction_and_not_run(tmp_path, monkeypatch):
+    from msa_train import bench_points
+
+    monkeypatch.setattr(bench_points, "run_point", lambda *a, **k: pytest.fail("ran a point predicted not to fit"))
+    asked = []
+
+    def verdict(overrides):
+        asked.append(overrides)
+        return "predicted not to fit: 1 of 2 GiB"
+
+    point = Point("llama3_8b", "fmsa", 65536, 32, "same")
+    row = bench_report.measure_point(point, steps=4, warmup=1, timeout=10, workdir=tmp_path, device="cpu",
+                                     verdict=verdict)
+    assert row["ok"] is False and row["skipped"] and row["error"] == "predicted not to fit: 1 of 2 GiB"
+    assert {"attention=fmsa", "train.seq_len=65536", "model.hf_config.num_hidden_layers=32"} <= set(asked[0])
+
+
+def test_the_planner_verdict_weighs_the_host_memory_available_now(monkeypatch):
+    """Llama-3-8B's 32 layers with the optimizer state on the host need about 120 GiB of it (124 for fmsa), which a
+    host of 125 GiB did not have; 16 layers need about half."""
+    from msa_train.parallel import planner
+
+    def verdict(layers, host_gb):
+        monkeypatch.setattr(planner, "host_available_gb", lambda: host_gb)
+        point = Point("llama3_8b", "full", 65536, layers, "same")
+        return bench_report.planner_verdict([*bench_report.point_overrides(point), "attention=full",
+                                             "train.seq_len=65536", "train.plan_gpu_gb=141"])
+
+    assert verdict(16, 110.0) is None
+    why = verdict(32, 110.0)
+    assert why.startswith("predicted not to fit") and "of 110 GiB of host memory" in why
+    assert verdict(32, 500.0) is None
+
+
+def test_the_grid_puts_the_options_outermost_and_refuses_unknown_ones():
+    points = bench_report.grid(["llama3_8b"], [1024, 2048], depths=[4, 8])
+    opts = [p.options for p in points]
+    assert opts == sorted(opts, key=["same", "fastest"].index) and set(opts) == {"same", "fastest"}
+    assert {p.layers for p in points} == {4, 8, 32}
+    assert {p.options for p in bench_report.grid(["llama3_8b"], [1024], [4], ["same"])} == {"same"}
+    with pytest.raises(ValueError, match="options: expected 'same' or 'fastest', got 'fast'"):
+        bench_report.grid(["llama3_8b"], [1024], [4], ["fast"])

@@ -10,7 +10,8 @@ fresh ``msa-train`` process with a timeout (``bench.run_point``). Points accumul
 new points once that much time has passed, so the grid splits into device calls of a few minutes.
 Where a model at full depth did not run (it does not fit, or it was not in the grid), its step time is
 fitted per layer from the depths that ran (``fit_per_layer``: least squares ``t = a + b * layers``,
-with the residual) and labelled as a fit. ``latest.{json,md,png}`` are written after every point.
+with the residual) and labelled as a fit. ``latest.{json,md,png}`` are written after every point; ``--max-minutes 0`` runs none and rewrites
+them from ``points.jsonl`` (on a machine without a GPU, labelled with the GPU the points ran on).
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def planner_verdict(overrides: List[str]) -> Optional[str]:
     if plan.fits:
         return None
     return (f"predicted not to fit: {plan.peak_gb:.1f} of {plan.gpu_gb:.0f} GiB per GPU, "
-            f"{plan.host_gb:.1f} of {plan.host_limit_gb:.0f} GiB of host memory")
+            f"{plan.host_need_gb:.1f} of {plan.host_limit_gb:.0f} GiB of host memory")
 
 
 def planner_fits(overrides: List[str]) -> bool:
@@ -184,7 +185,8 @@ def summarise_rows(rows: Dict[str, Dict], shapes: Dict[str, Dict]) -> List[Dict]
     for r in rows.values():
         groups.setdefault((r["model"], r["attention"], r["seq_len"], r["options"]), []).append(r)
     out = []
-    for (model, att, T, opts), rs in sorted(groups.items()):
+    order = lambda kv: (kv[0][0], kv[0][3], kv[0][2], ARMS.index(kv[0][1]) if kv[0][1] in ARMS else len(ARMS))
+    for (model, att, T, opts), rs in sorted(groups.items(), key=order):
         full_depth = shapes.get(model, {}).get("layers", SHAPES.get(model))
         ok = {r["layers"]: r for r in rs if r.get("ok") and r.get("step_s")}
         row = {"model": model, "attention": att, "seq_len": T, "options": opts, "layers": full_depth}
@@ -201,6 +203,8 @@ def summarise_rows(rows: Dict[str, Dict], shapes: Dict[str, Dict]) -> List[Dict]
                     "phase_s": deepest.get("phase_s"), "breakdown": deepest.get("breakdown"),
                     "dense_kernel": deepest.get("dense_kernel"),
                     "impl": deepest.get("impl")}
+        elif ok:
+            row |= {"source": f"measured at one depth {sorted(ok)} only: no fit", "step_s": None}
         else:
             failed = [r.get("error") for r in rs if not r.get("ok")]
             row |= {"source": "not run" if not failed else f"failed: {failed[-1]}", "step_s": None}
@@ -272,6 +276,10 @@ def write_report(rows: List[Dict], out: Path, meta: Dict) -> None:
              "the LM head's matmul), the loss's kernels, the optimizer's, communication. MFU: dense-equivalent FLOPs, and the FLOPs the attention really did.", "",
              "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    failed = meta.get("failed") or []
+    if failed:
+        lines += ["", "Points that did not run (a prediction) or failed:", "",
+                  *(f"- `{key}`: {error}" for key, error in failed)]
     (out / "latest.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -368,11 +376,14 @@ def report(argv: Sequence[str]) -> List[Dict]:
     args = p.parse_args(list(argv))
     import torch
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    from msa_train.metrics import peak_tflops
+    from msa_train.metrics import peak_tflops_of
 
-    peak = peak_tflops(torch.device("cuda"), None) if device != "cpu" else None
     out = Path(args.out)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # summarising points measured elsewhere (--max-minutes 0): label them as measured
+        measured = {r.get("device") for r in load_points(out / "points.jsonl").values()} - {None, "cpu"}
+        device = measured.pop() if len(measured) == 1 else device
+    peak = peak_tflops_of(device)
     models = args.models.split(",")
     depths = [int(x) for x in args.depths.split(",")] if args.depths else None
     points = grid(models, [int(x) for x in args.seq_lens.split(",")], depths, args.options.split(","))
@@ -381,8 +392,10 @@ def report(argv: Sequence[str]) -> List[Dict]:
                     lambda pt: measure_point(pt, args.steps, args.warmup, args.timeout, work, device),
                     None if args.max_minutes is None else args.max_minutes * 60)
     table = summarise_rows(rows, _shapes(models, peak))
+    failed = [(k, r.get("error")) for k, r in rows.items() if not r.get("ok")]
     write_report(table, out, {"device": device, "points": len(rows), "grid": len(points),
-                              "steps": args.steps, "warmup": args.warmup})
+                              "steps": args.steps, "warmup": args.warmup, "failed": failed,
+                              "measured": sorted(rows.values(), key=lambda r: r["key"])})
     print((out / "latest.md").read_text())
     return table
 
@@ -501,9 +514,16 @@ def _predicted_gb(overrides: Sequence[str], recipe: str = "llama3_8b_64k") -> Di
 
 def bench_rows(path: Path) -> List[Dict]:
     """Plan-check rows from a bench result JSON (``python -m msa_train.bench``: its recipe, extra
-    overrides and each point's measured peak), so the peaks other benchmarks measured check the
-    planner too; ``source`` names the file."""
+    overrides and each point's measured peak, or the end-to-end report's latest.json: each measured
+    point's overrides and peak), so the peaks other benchmarks measured check the planner too;
+    ``source`` names the file."""
     d = json.loads(Path(path).read_text())
+    if "measured" in d.get("meta", {}):  # the end-to-end report's latest.json: its measured points
+        return [{"key": f"{pt['layers']} layers {pt['seq_len'] // 1024}K {pt['attention']} (e2e report, {pt['options']})",
+                 "overrides": [*pt["overrides"], f"train.seq_len={pt['seq_len']}", f"attention={pt['attention']}"],
+                 "recipe": "llama3_8b_64k", "measured_gb": pt["peak_memory_gb"], "error": None,
+                 "source": str(path), "device": pt.get("device")}
+                for pt in d["meta"]["measured"] if pt.get("ok") and pt.get("peak_memory_gb")]
     rows = []
     for pt in d["points"]:
         if not pt.get("peak_memory_gb"):
@@ -561,7 +581,7 @@ def plan_check(argv: Sequence[str]) -> List[Dict]:
         row["relative_error"] = (row["predicted_gb"] - m) / m if m else None
     table = list(rows.values())
     lines = ["Peak device memory per GPU: the planner's allocated peak (`allocated_gb`, without its "
-             "context margin) against `torch.cuda.max_memory_allocated` of a 2-step run.", "",
+             "context margin) against `torch.cuda.max_memory_allocated` of each run (2 steps for plan-check's own, 4 for the e2e report's)." , "",
              "| configuration | measured on | predicted GiB | measured GiB | error |", "|---|---|---|---|---|"]
     for r in table:
         where = r.get("device") or "-"

@@ -29,10 +29,15 @@ def peak_tflops(device: torch.device, override: Optional[float]) -> Optional[flo
     if override is not None:
         return override
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in _PEAK_BF16_TFLOPS.items():
-            if key in name:
-                return value
+        return peak_tflops_of(torch.cuda.get_device_name(device))
+    return None
+
+
+def peak_tflops_of(device_name: str) -> Optional[float]:
+    """The table's dense bf16 peak for a GPU by its name (``torch.cuda.get_device_name``), or None."""
+    for key, value in _PEAK_BF16_TFLOPS.items():
+        if key in device_name:
+            return value
     return None
 
 

@@ -20,7 +20,8 @@ What is counted, per GPU (bytes; ``N`` = ZeRO ranks = the world size, ``P`` = pa
 * **Activations** (per-token constants of ``parallel/memory.py``, counted with saved-tensor hooks
   on a Llama-3-8B-shape layer and written here as functions of the shape): what every layer keeps
   (its input only under activation checkpointing, on the host with ``offload_activations``) plus
-  the one layer being recomputed and differentiated, with its backward's gradients. With
+  the one layer being recomputed and differentiated, with its backward's gradients (tiled: one
+  tile of the MLP recomputed and differentiated at a time). With
   sequence parallelism P_sp a rank holds T/P_sp tokens outside attention and, inside it, all T
   tokens of HQ/P_sp query heads and max(1, HK/P_sp) KV heads (replicated when P_sp > HK).
 * **Attention workspace**: dense: the softmax statistics (and FlashAttention's fp32 dq accumulator
@@ -54,6 +55,11 @@ OVERHEAD_GB = 2.5  # CUDA context, cuBLAS/cuDNN handles and allocator fragmentat
 # and the runs it is there to stop (a 14B model at 1M tokens on one small machine) miss by far more
 REFUSE_FACTOR = 1.5
 TILE_TOKENS = 32768  # the ladder's parallel.tile_tokens (as in the recipes)
+# Host memory of a training process besides what it offloads (torch's and CUDA's libraries, the
+# tokenizer and data, DeepSpeed's staging buffers), GiB per rank, counted when the host's fit is
+# checked: a 32-layer Llama-3-8B run whose offloaded optimizer state was predicted at 119.7 GiB was
+# killed by the host's OOM killer with 124.4 GiB available (benchmarks/results/e2e/latest.json).
+HOST_PROCESS_GB = 6.0
 
 
 @dataclass(frozen=True)
@@ -155,8 +161,13 @@ class Plan:
         return self.peak_gb - OVERHEAD_GB
 
     @property
+    def host_need_gb(self) -> float:
+        """Host memory the run needs on its host: every rank's offloaded state and its process."""
+        return (self.host_gb + HOST_PROCESS_GB) * self.ranks_per_host
+
+    @property
     def fits(self) -> bool:
-        host_ok = self.host_limit_gb is None or self.host_gb * self.ranks_per_host <= self.host_limit_gb
+        host_ok = self.host_limit_gb is None or self.host_need_gb <= self.host_limit_gb
         return self.peak_gb <= self.gpu_gb and host_ok
 
     @property
@@ -167,7 +178,7 @@ class Plan:
         return {"fits": self.fits, "peak_gb": round(self.peak_gb, 2), "allocated_gb": round(self.allocated_gb, 2),
                 "gpu_gb": self.gpu_gb,
                 "host_gb_per_rank": round(self.host_gb, 2), "host_gb_all_ranks": round(self.host_gb * self.ranks_per_host, 2),
-                "host_limit_gb": self.host_limit_gb, "parts_gb": {k: round(v, 3) for k, v in self.parts.items()},
+                "host_need_gb": round(self.host_need_gb, 2), "host_limit_gb": self.host_limit_gb, "parts_gb": {k: round(v, 3) for k, v in self.parts.items()},
                 "options": dataclasses.asdict(self.options), "workload": dataclasses.asdict(self.workload),
                 "fix": self.fix, "notes": self.notes}
 
@@ -284,6 +295,11 @@ def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[st
     # gradients and both hidden gradients are alive.
     mlp_grad_tokens = min(t_local, opt.tile_tokens) if opt.tile_tokens else t_local
     in_mlp = layer + a * H * t_local + 2 * a * shape.intermediate * mlp_grad_tokens
+    if opt.tile_tokens and opt.tile_tokens < t_local:
+        # TiledMLP's backward recomputes one tile's forward with autograd before differentiating it:
+        # that tile's saved T x I tensors (the SwiGLU's, 3 fused or 4) are alive beside its gradients.
+        # Without them the planner was 3-4 GiB (12-23%) under every tiled point of the e2e report.
+        in_mlp += (3 if opt.fused_ops else 4) * a * shape.intermediate * mlp_grad_tokens
     in_attention = (per["norms"] / 2 + attn_tok) * t_local + (2 * a * H + a_hq) * t_local
     working = max(in_mlp, in_attention)
     out = {"host_activations": 0.0}
@@ -476,8 +492,9 @@ def render(result: Plan, title: str) -> str:
             f"ZeRO-{o.zero_stage} ckpt={o.activation_checkpointing} tile={o.tile_tokens} "
             f"offload(act/opt/params)={o.offload_activations}/{o.offload_optimizer}/{o.offload_params}")
     verdict = (f"predicted peak {result.peak_gb:,.1f} GiB per GPU of {result.gpu_gb:,.0f}; host "
-               f"{result.host_gb * result.ranks_per_host:,.1f} GiB for {result.ranks_per_host} rank(s)"
-               + (f" of {result.host_limit_gb:,.0f}" if result.host_limit_gb else "")
+               f"{result.host_gb * result.ranks_per_host:,.1f} GiB offloaded for {result.ranks_per_host} rank(s)"
+               + (f", {result.host_need_gb:,.1f} with the processes, of {result.host_limit_gb:,.0f}"
+                  if result.host_limit_gb else "")
                + (": fits" if result.fits else ": does NOT fit"))
     if result.fix:
         verdict += "\nwould fit with: " + " ".join(result.fix)
@@ -518,7 +535,7 @@ def check_fit(cfg, world_size: int, device) -> Optional[str]:
     if device.type == "cuda":
         _, total = torch.cuda.mem_get_info(device)
         result = plan_of_config(cfg, world_size, gpu_gb=total / GiB, host_limit_gb=host, on_cuda=True)
-        host_need = result.host_gb * result.ranks_per_host
+        host_need = result.host_need_gb
         if result.peak_gb <= REFUSE_FACTOR * result.gpu_gb and host_need <= REFUSE_FACTOR * host:
             return None
         need = f"{result.peak_gb:,.1f} GiB per GPU (this one has {total / GiB:,.1f})"

@@ -193,3 +193,15 @@ def test_the_grid_puts_the_options_outermost_and_refuses_unknown_ones():
     assert {p.options for p in bench_report.grid(["llama3_8b"], [1024], [4], ["same"])} == {"same"}
     with pytest.raises(ValueError, match="options: expected 'same' or 'fastest', got 'fast'"):
         bench_report.grid(["llama3_8b"], [1024], [4], ["fast"])
+
+
+def test_one_measured_depth_is_not_a_fit_and_the_failed_points_are_listed(tmp_path):
+    ok = {"key": "llama3_8b/fmsa/131072/4/same", "model": "llama3_8b", "attention": "fmsa", "seq_len": 131072,
+          "layers": 4, "options": "same", "ok": True, "step_s": 4.0}
+    killed = {**ok, "key": "llama3_8b/fmsa/131072/32/same", "layers": 32, "ok": False, "step_s": None,
+              "error": "killed by SIGKILL"}
+    rows = {r["key"]: r for r in (ok, killed)}
+    table = bench_report.summarise_rows(rows, {})
+    assert table[0]["source"] == "measured at one depth [4] only: no fit" and table[0]["tokens_per_s"] is None
+    bench_report.write_report(table, tmp_path, {"device": "cpu", "failed": [(killed["key"], killed["error"])]})
+    assert "- `llama3_8b/fmsa/131072/32/same`: killed by SIGKILL" in (tmp_path / "latest.md").read_text()

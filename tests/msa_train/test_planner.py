@@ -47,6 +47,19 @@ def test_layer_bytes_per_token_match_the_measured_llama3_layer():
     assert sum(tiled.values()) / 1024 == pytest.approx(53, rel=0.02)
 
 
+@pytest.mark.parametrize("fused,saved", [(True, 3), (False, 4)])
+def test_a_tiled_mlp_backward_holds_one_tile_recomputed_beside_its_gradients(fused, saved):
+    """TiledMLP differentiates one tile at a time after recomputing its forward: the tile's saved
+    SwiGLU tensors (3 x I fused, 4 plain) and its two T x I gradients, on top of the layer's saved
+    tensors and the incoming hidden gradient (the e2e report's tiled points measured this)."""
+    T, tile, a = 131072, 32768, 2
+    work = Workload(seq_len=T)
+    opt = Options(activation_checkpointing=True, fused_ops=fused, tile_tokens=tile)
+    per = planner.layer_saved_bytes_per_token(LLAMA3_8B, opt, a)
+    in_mlp = sum(per.values()) * T + a * 4096 * T + (2 + saved) * a * 14336 * tile
+    assert planner.activation_bytes(LLAMA3_8B, opt, work)["layer_working"] == pytest.approx(in_mlp)
+
+
 def test_checkpointing_keeps_one_input_per_layer_and_offload_moves_them_to_the_host():
     T = 65536
     work = Workload(seq_len=T)
@@ -136,3 +149,18 @@ def test_the_dry_run_stays_on_meta_when_constructors_are_given_a_device(monkeypa
     cfg = compose(["recipe=tiny_qwen3"])
     total, _ = count_parameters(cfg.model, cfg.attention)
     assert total > 0 and made and set(made) == {"meta"}
+
+
+def test_the_host_fit_counts_each_process_beside_what_it_offloads():
+    """32 layers of Llama-3-8B with the optimizer state on the host: 119.7 GiB offloaded was killed
+    with 124.4 GiB available, so the process's own memory must count."""
+    from msa_train.cli import compose
+
+    overrides = ["recipe=llama3_8b_64k", "data=generated", "attention=full", "parallel=zero2",
+                 "parallel.offload_optimizer=true", "parallel.optimizer=deepspeed", "train.plan_gpu_gb=141"]
+    plan = planner.plan_of_config(compose(overrides), host_limit_gb=124.4)
+    assert plan.host_gb == pytest.approx(119.7, abs=0.1)
+    assert plan.host_need_gb == pytest.approx(plan.host_gb + planner.HOST_PROCESS_GB)
+    assert not plan.fits and plan.to_dict()["host_need_gb"] == round(plan.host_need_gb, 2)
+    two = planner.plan_of_config(compose([*overrides, "train.plan_world_size=2"]), host_limit_gb=124.4)
+    assert two.host_need_gb == pytest.approx(2 * (two.host_gb + planner.HOST_PROCESS_GB))

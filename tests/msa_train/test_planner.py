@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from msa_train.parallel import planner
-from msa_train.parallel.planner import GiB, ModelShape, Options, Workload
+from msa_train.parallel.planner import ModelShape, Options, Workload
 from tests.msa_train._util import FAST, compose
 
 B = 10 ** 9

@@ -455,18 +455,30 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
 
     from msa_train import bench_points as bench
     from msa_train.cli import compose
-    from msa_train.parallel.planner import plan_of_config
+    from msa_train.parallel.planner import host_available_gb, plan_of_config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     table = {}
     for att in args.attention.split(","):
         cfg = compose([f"recipe={args.recipe}", f"attention={att}", "data=generated", *extra])
         multiple = math.lcm(cfg.attention.slc_block if att != "full" else 1, cfg.parallel.sp_degree, 64)
+        host = host_available_gb()
+
+        def plan_at(T):
+            return plan_of_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=T)),
+                                  host_limit_gb=host)
+
+        shortest = plan_at(multiple)
+        if shortest.host_need_gb > host:  # no length fits: the model state alone is too big for the host
+            table[att] = {"longest": 0, "planner_start": 0, "tried": [], "device": device,
+                          "reason": f"predicted not to fit at any length: {shortest.host_need_gb:.1f} GiB of host "
+                                    f"memory needed, {host:.0f} available"}
+            continue
         start = cfg.train.seq_len
         while True:  # the planner's longest power of two that fits, as the search's start
-            nxt = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=start * 2))
-            if start * 2 > (1 << 24) or not plan_of_config(nxt).fits:
+            if start * 2 > (1 << 24) or not plan_at(start * 2).fits:
                 break
             start *= 2
         runs: Dict[int, bool] = {}
@@ -477,11 +489,12 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
             return point["ok"]
 
         best, tried = longest(fits, start, multiple)
-        table[att] = {"longest": best, "planner_start": start, "tried": tried, "device":
-                      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+        table[att] = {"longest": best, "planner_start": start, "tried": tried, "device": device}
         (out / "latest.json").write_text(json.dumps(table, indent=2))
-    lines = ["| attention | longest seq_len | planner's start | trials |", "|---|---|---|---|"]
-    lines += [f"| {a} | {r['longest']:,} | {r['planner_start']:,} | {len(r['tried'])} |" for a, r in table.items()]
+    (out / "latest.json").write_text(json.dumps(table, indent=2))
+    lines = ["| attention | longest seq_len | planner's start | trials | note |", "|---|---|---|---|---|"]
+    lines += [f"| {a} | {r['longest']:,} | {r['planner_start']:,} | {len(r['tried'])} | {r.get('reason', '')} |"
+              for a, r in table.items()]
     (out / "latest.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return table

@@ -205,3 +205,18 @@ def test_one_measured_depth_is_not_a_fit_and_the_failed_points_are_listed(tmp_pa
     assert table[0]["source"] == "measured at one depth [4] only: no fit" and table[0]["tokens_per_s"] is None
     bench_report.write_report(table, tmp_path, {"device": "cpu", "failed": [(killed["key"], killed["error"])]})
     assert "- `llama3_8b/fmsa/131072/32/same`: killed by SIGKILL" in (tmp_path / "latest.md").read_text()
+
+
+def test_the_finder_runs_no_trial_where_no_length_fits_the_host(tmp_path, monkeypatch):
+    """Llama-3-8B at full depth with AdamW's state on the host needs about 126 GiB of host memory
+    whatever the length; on a host with less the finder says so instead of trying lengths."""
+    from msa_train import bench_points
+    from msa_train.parallel import planner
+
+    monkeypatch.setattr(planner, "host_available_gb", lambda: 100.0)
+    monkeypatch.setattr(bench_points, "run_point", lambda *a, **k: pytest.fail("ran a trial"))
+    table = bench_report.longest_cmd(["--attention", "full", "--out", str(tmp_path), "--",
+                                      "parallel=zero2", "parallel.offload_optimizer=true", "parallel.optimizer=deepspeed"])
+    assert table["full"]["longest"] == 0 and table["full"]["tried"] == []
+    assert table["full"]["reason"].startswith("predicted not to fit at any length") and "100 available" in table["full"]["reason"]
+    assert "predicted not to fit at any length" in (tmp_path / "latest.md").read_text()

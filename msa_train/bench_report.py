@@ -69,7 +69,13 @@ def planner_verdict(overrides: List[str]) -> Optional[str]:
 
 
 def planner_fits(overrides: List[str]) -> bool:
-    return planner_verdict(overrides) is None
+    """Whether the planner predicts that ``overrides`` fit this machine's GPU. The host is left out:
+    the fastest options are chosen at full depth, which a report fits from shallower runs where the
+    host cannot hold the full model's offloaded state (each run is still checked by planner_verdict)."""
+    from msa_train.cli import compose
+    from msa_train.parallel.planner import plan_of_config
+
+    return plan_of_config(compose(["recipe=llama3_8b_64k", "data=generated", *overrides])).fits
 
 
 @dataclasses.dataclass(frozen=True)

@@ -282,6 +282,21 @@ def write_report(rows: List[Dict], out: Path, meta: Dict) -> None:
              "the LM head's matmul), the loss's kernels, the optimizer's, communication. MFU: dense-equivalent FLOPs, and the FLOPs the attention really did.", "",
              "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    measured = [r for r in meta.get("measured") or [] if r.get("ok") and r.get("step_s")]
+    if measured:
+        lines += ["", "Every measured point (the fits' inputs): seconds per step, tokens/s, and speedup over "
+                  "`attention=full` at the same model, options, length and depth:", "",
+                  "| model | options | seq_len | layers | attention | step_s | tokens_per_s | speedup_over_full | peak_memory_gb |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        at = {(r["model"], r["options"], r["seq_len"], r["layers"], r["attention"]): r for r in measured}
+        order = lambda r: (r["model"], r["options"], r["seq_len"], r["layers"], ARMS.index(r["attention"])
+                           if r["attention"] in ARMS else len(ARMS))
+        for r in sorted(measured, key=order):
+            base = at.get((r["model"], r["options"], r["seq_len"], r["layers"], "full"))
+            speedup = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
+            peak = f"{r['peak_memory_gb']:.1f}" if r.get("peak_memory_gb") else "-"
+            lines.append(f"| {r['model']} | {r['options']} | {r['seq_len']:,} | {r['layers']} | {r['attention']} | "
+                         f"{r['step_s']:.3g} | {r['seq_len'] / r['step_s']:,.0f} | {speedup} | {peak} |")
     failed = meta.get("failed") or []
     if failed:
         lines += ["", "Points that did not run (a prediction) or failed:", "",

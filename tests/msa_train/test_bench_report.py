@@ -203,8 +203,13 @@ def test_one_measured_depth_is_not_a_fit_and_the_failed_points_are_listed(tmp_pa
     rows = {r["key"]: r for r in (ok, killed)}
     table = bench_report.summarise_rows(rows, {})
     assert table[0]["source"] == "measured at one depth [4] only: no fit" and table[0]["tokens_per_s"] is None
-    bench_report.write_report(table, tmp_path, {"device": "cpu", "failed": [(killed["key"], killed["error"])]})
-    assert "- `llama3_8b/fmsa/131072/32/same`: killed by SIGKILL" in (tmp_path / "latest.md").read_text()
+    full = {**ok, "key": "llama3_8b/full/131072/4/same", "attention": "full", "step_s": 10.0, "peak_memory_gb": 23.6}
+    bench_report.write_report(table, tmp_path, {"device": "cpu", "failed": [(killed["key"], killed["error"])],
+                                                "measured": [ok, killed, full]})
+    md = (tmp_path / "latest.md").read_text()
+    assert "- `llama3_8b/fmsa/131072/32/same`: killed by SIGKILL" in md
+    assert "| llama3_8b | same | 131,072 | 4 | full | 10 | 13,107 | 1.00x | 23.6 |" in md
+    assert "| llama3_8b | same | 131,072 | 4 | fmsa | 4 | 32,768 | 2.50x | - |" in md
 
 
 def test_the_finder_runs_no_trial_where_no_length_fits_the_host(tmp_path, monkeypatch):

@@ -36,6 +36,16 @@ for stage in $stages; do
             # latest.{json,md,png} and points.jsonl into $OUT/e2e_report.tgz (REPORT_MODELS, REPORT_LENS, REPORT_DEPTHS,
             # REPORT_OPTIONS, REPORT_STEPS and REPORT_WARMUP choose a part of the grid)
       mkdir -p /tmp/e2e_report
+      # a fresh machine of the same GPU starts from the committed report's points (a rerun skips them),
+      # where they ran with the same steps and warmup
+      [ -f /tmp/e2e_report/points.jsonl ] || REPORT_STEPS=${REPORT_STEPS:-5} REPORT_WARMUP=${REPORT_WARMUP:-2} python3 -c "
+import json, os, torch
+d = json.load(open('benchmarks/results/e2e/latest.json'))
+m = d['meta']
+if (m.get('device'), m.get('steps'), m.get('warmup')) == (torch.cuda.get_device_name(0), int(os.environ['REPORT_STEPS']),
+                                                         int(os.environ['REPORT_WARMUP'])):
+    open('/tmp/e2e_report/points.jsonl', 'w').writelines(json.dumps(r) + '\n' for r in m.get('measured', []))
+    print('report: starting from', len(m.get('measured', [])), 'committed points')"
       timeout 590 python3 -m msa_train.bench report --out /tmp/e2e_report --max-minutes "${REPORT_MINUTES:-7}" \
         --models "${REPORT_MODELS:-llama3_8b,qwen3_14b,qwen25_32b}" --seq-lens "${REPORT_LENS:-65536,131072,262144}" \
         --options "${REPORT_OPTIONS:-same,fastest}" --steps "${REPORT_STEPS:-5}" --warmup "${REPORT_WARMUP:-2}" \

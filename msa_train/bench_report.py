@@ -463,6 +463,14 @@ def longest(fits: Callable[[int], bool], start: int, multiple: int, ceiling: int
     return lo, tried
 
 
+class _Undecided(Exception):
+    """A finder trial that timed out: it says nothing about whether that length fits."""
+
+    def __init__(self, seq_len: int, error: str):
+        super().__init__(error)
+        self.seq_len, self.error = seq_len, error
+
+
 def longest_cmd(argv: Sequence[str]) -> Dict:
     p = argparse.ArgumentParser(prog="python -m msa_train.bench longest", description="the longest trainable seq_len")
     p.add_argument("--recipe", default="llama3_8b_64k")
@@ -506,11 +514,20 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
 
         def fits(T):
             point = bench.run_point(args.recipe, att, T, args.steps, extra, out / "runs", args.timeout)
+            if not point["ok"] and str(point.get("error", "")).startswith("timeout"):
+                raise _Undecided(T, point["error"])  # too slow to tell, not too big: the search stops
             runs[T] = point["ok"]
             return point["ok"]
 
-        best, tried = longest(fits, start, multiple)
-        table[att] = {"longest": best, "planner_start": start, "tried": tried, "device": device}
+        try:
+            best, tried = longest(fits, start, multiple)
+            table[att] = {"longest": best, "planner_start": start, "tried": tried, "device": device}
+        except _Undecided as stop:
+            tried = [*runs, stop.seq_len]
+            table[att] = {"longest": max([T for T, ok in runs.items() if ok], default=0), "planner_start": start,
+                          "tried": tried, "device": device,
+                          "reason": f"stopped: the trial at {stop.seq_len:,} ended on a {stop.error} (a longer "
+                                    "--timeout decides it); longest is the longest that ran"}
         (out / "latest.json").write_text(json.dumps(table, indent=2))
     (out / "latest.json").write_text(json.dumps(table, indent=2))
     lines = ["| attention | longest seq_len | planner's start | trials | note |", "|---|---|---|---|---|"]

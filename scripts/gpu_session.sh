@@ -2,7 +2,7 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e report plancheck lora grpo longest phases fusedops nsa selected variants ncu quality
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e report plancheck lora grpo longest finder phases fusedops nsa selected variants ncu quality
 # The maintainers copy a stage's files to benchmarks/results/<benchmark>/latest.* (docs/performance.md
 # lists which stage writes which benchmark). (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
 # longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
@@ -77,6 +77,12 @@ if (m.get('device'), m.get('steps'), m.get('warmup')) == (torch.cuda.get_device_
         --out "$OUT/long_llama3_8b_4layers_h200${LONG_TAG:-}" -- model.hf_config.num_hidden_layers=4 \
         ${LONG_OPTS-parallel.offload_activations=true parallel.tile_tokens=32768 parallel.offload_optimizer=true} \
         2>&1 | tail -20 | tee "$OUT/longest${LONG_TAG:-}.log" ;;
+    finder)   # the longest-sequence finder (python -m msa_train.bench longest) at Llama3-8B's full depth with LoRA
+              # (full fine-tuning at 32 layers does not fit a 125 GiB host at any length): FIND_ATTN, FIND_OPTS, FIND_TIMEOUT
+      timeout "${FIND_TIMEOUT:-580}" python3 -m msa_train.bench longest --recipe llama3_8b_64k --attention "${FIND_ATTN:-full,fmsa}" \
+        --steps 2 --timeout "${FIND_POINT_TIMEOUT:-300}" --out "$OUT/finder" -- \
+        ${FIND_OPTS-model.lora.r=16 model.lora.alpha=32 parallel.tile_tokens=32768 parallel.offload_activations=true} \
+        2>&1 | tail -20 | tee "$OUT/finder.log" ;;
     phases)  # where a long step's time goes (train.phase_times): Llama3-8B layer shapes (4 layers) at
              # PHASE_LEN tokens, one point per memory-option set NAME:ATTENTION:OVERRIDES (space-separated)
       opts="parallel.offload_activations=true parallel.tile_tokens=32768"

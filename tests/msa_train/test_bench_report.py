@@ -225,3 +225,20 @@ def test_the_finder_runs_no_trial_where_no_length_fits_the_host(tmp_path, monkey
     assert table["full"]["longest"] == 0 and table["full"]["tried"] == []
     assert table["full"]["reason"].startswith("predicted not to fit at any length") and "100 available" in table["full"]["reason"]
     assert "predicted not to fit at any length" in (tmp_path / "latest.md").read_text()
+
+
+def test_a_finder_trial_that_times_out_stops_the_search_without_calling_it_too_big(tmp_path, monkeypatch):
+    from msa_train import bench_points
+
+    tried = []
+
+    def run_point(recipe, attention, seq_len, steps, extra, workdir, timeout):
+        tried.append(seq_len)  # the planner's start trains; the next length is too slow to tell
+        return {"ok": True} if len(tried) == 1 else {"ok": False, "error": f"timeout after {timeout} s"}
+
+    monkeypatch.setattr(bench_points, "run_point", run_point)
+    table = bench_report.longest_cmd(["--recipe", "tiny", "--attention", "full", "--timeout", "7", "--out", str(tmp_path),
+                                      "--", "train.seq_len=1024"])
+    row = table["full"]
+    assert len(tried) == 2 and row["longest"] == tried[0] and row["tried"] == tried
+    assert row["reason"].startswith(f"stopped: the trial at {tried[-1]:,} ended on a timeout after 7 s")

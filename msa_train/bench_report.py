@@ -361,6 +361,9 @@ def measure_point(point: Point, steps: int, warmup: int, timeout: int, workdir: 
     row = {"ok": p["ok"], "error": p.get("error"), "peak_memory_gb": p.get("peak_memory_gb"),
            "step_s": point.seq_len / tps if tps else None, "impl": ran["impl"], "device": device,
            "overrides": overrides}
+    summary = p.get("summary") or {}
+    row["seconds"] = {"process": p.get("process_s"), "startup": round(sum((summary.get("startup_s") or {}).values()), 2),
+                      "training_loop": summary.get("wall_time_s")}  # where a point's device time goes
     if point.attention == "full":
         row["dense_kernel"] = ran["impl"]
     if phases:  # the layers, attention and the loss together (train.phase_times times no finer)

@@ -139,7 +139,8 @@ def test_a_point_profiles_its_last_step_and_times_the_others(tmp_path, monkeypat
         seen["extra"] = extra
         records = [{"step": s, "tokens_per_s": 100.0 if s < steps else 1.0, "forward_s": 0.1, "backward_s": 0.2,
                     "step_s": 0.05, **({"profiled": True} if s == steps else {})} for s in range(1, steps + 1)]
-        return {"ok": True, "records": records, "peak_memory_gb": 2.0,
+        return {"ok": True, "records": records, "peak_memory_gb": 2.0, "process_s": 30.0,
+                "summary": {"startup_s": {"model": 4.0, "optimizer": 2.5}, "wall_time_s": 20.0},
                 "profile": {"kinds_ms": {"flash_msa (Triton)": 1.0, "matmul (cuBLAS)": 3.0}}}
 
     monkeypatch.setattr(bench_points, "run_point", fake_run_point)
@@ -149,6 +150,7 @@ def test_a_point_profiles_its_last_step_and_times_the_others(tmp_path, monkeypat
     assert "train.profile_step=4" in seen["extra"]
     assert row["step_s"] == pytest.approx(1024 / 100.0)  # the profiled step is not timed
     assert row["breakdown"]["attention"] == pytest.approx(0.25) and row["breakdown"]["rest_of_layers"] == 0.75
+    assert row["seconds"] == {"process": 30.0, "startup": 6.5, "training_loop": 20.0}
 
 
 def test_a_point_the_planner_rules_out_is_recorded_with_the_prediction_and_not_run(tmp_path, monkeypatch):

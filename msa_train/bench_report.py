@@ -168,12 +168,13 @@ def load_points(path: Path) -> Dict[str, Dict]:
 def run_grid(points: Iterable[Point], results: Path, run: Callable[[Point], Dict],
              max_seconds: Optional[float] = None, clock: Callable[[], float] = time.monotonic) -> Dict[str, Dict]:
     """Run the points not yet in ``results`` (one JSON line each, appended as it finishes), until
-    ``max_seconds`` have passed; returns all points recorded."""
+    ``max_seconds`` have passed; returns all points recorded. A point the planner skipped is tried
+    again (the host memory available, which the skip weighed, changes between runs)."""
     results.parent.mkdir(parents=True, exist_ok=True)
     done = load_points(results)
     t0 = clock()
     for point in points:
-        if point.key in done:
+        if point.key in done and not done[point.key].get("skipped"):
             continue
         if max_seconds is not None and clock() - t0 >= max_seconds:
             break
@@ -386,13 +387,30 @@ def _shapes(models: Sequence[str], peak_tflops: Optional[float]) -> Dict[str, Di
     return out
 
 
+def seed_points(out: Path, device: str, steps: int, warmup: int) -> str:
+    """Without ``<out>/points.jsonl``, start it from ``<out>/latest.json``'s recorded points (the
+    committed report, copied there), where they ran on this GPU (any, on a machine without one, which
+    only summarises) with the same steps and warmup: all but those the planner skipped, which are
+    tried again. Returns what it did."""
+    points, latest = out / "points.jsonl", out / "latest.json"
+    if points.exists() or not latest.exists():
+        return "report: " + ("continuing " + str(points) if points.exists() else "no earlier points")
+    meta = json.loads(latest.read_text()).get("meta", {})
+    if (meta.get("steps"), meta.get("warmup")) != (steps, warmup) or device not in ("cpu", meta.get("device")):
+        return (f"report: not starting from {latest}: its points ran on {meta.get('device')} with --steps "
+                f"{meta.get('steps')} --warmup {meta.get('warmup')}, this is {device} with {steps} and {warmup}")
+    kept = [r for r in meta.get("measured", []) if not r.get("skipped")]
+    points.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return f"report: starting from {len(kept)} points of {latest} (the planner's skips are tried again)"
+
+
 def report(argv: Sequence[str]) -> List[Dict]:
     p = argparse.ArgumentParser(prog="python -m msa_train.bench report", description="the end-to-end report")
     p.add_argument("--out", default="runs/bench/e2e", help="folder of latest.* and points.jsonl")
     p.add_argument("--models", default="llama3_8b,qwen3_14b,qwen25_32b")
     p.add_argument("--seq-lens", default="65536,131072,262144")
     p.add_argument("--depths", default=None, help="comma-separated depths (default 4,8,16 and Llama3-8B's 32)")
-    p.add_argument("--options", default="same,fastest", help="which comparisons: same, fastest or both")
+    p.add_argument("--options", default="same,fastest", help="which comparisons, comma-separated: same, fastest")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=540, help="seconds per point")
@@ -404,6 +422,7 @@ def report(argv: Sequence[str]) -> List[Dict]:
 
     out = Path(args.out)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    print(seed_points(out, device, args.steps, args.warmup))
     if device == "cpu":  # summarising points measured elsewhere (--max-minutes 0): label them as measured
         measured = {r.get("device") for r in load_points(out / "points.jsonl").values()} - {None, "cpu"}
         device = measured.pop() if len(measured) == 1 else device
@@ -417,8 +436,12 @@ def report(argv: Sequence[str]) -> List[Dict]:
                     None if args.max_minutes is None else args.max_minutes * 60)
     table = summarise_rows(rows, _shapes(models, peak))
     failed = [(k, r.get("error")) for k, r in rows.items() if not r.get("ok")]
+    from msa_train.parallel.planner import host_available_gb
+
     write_report(table, out, {"device": device, "points": len(rows), "grid": len(points),
                               "steps": args.steps, "warmup": args.warmup, "failed": failed,
+                              # the host memory the planner's skips weighed (none when only summarising)
+                              "host_available_gb": round(host_available_gb(), 1) if torch.cuda.is_available() else None,
                               "measured": sorted(rows.values(), key=lambda r: r["key"])})
     print((out / "latest.md").read_text())
     return table
@@ -507,6 +530,7 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
             table[att] = {"longest": 0, "planner_start": 0, "tried": [], "device": device,
                           "reason": f"predicted not to fit at any length: {shortest.host_need_gb:.1f} GiB of host "
                                     f"memory needed, {host:.0f} available"}
+            _write_longest(out, table)
             continue
         start = cfg.train.seq_len
         while True:  # the planner's longest power of two that fits, as the search's start
@@ -531,14 +555,19 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
                           "tried": tried, "device": device,
                           "reason": f"stopped: the trial at {stop.seq_len:,} ended on a {stop.error} (a longer "
                                     "--timeout decides it); longest is the longest that ran"}
-        (out / "latest.json").write_text(json.dumps(table, indent=2))
+        _write_longest(out, table)
+    print(_write_longest(out, table))
+    return table
+
+
+def _write_longest(out: Path, table: Dict) -> str:
+    """latest.json and latest.md of the finder, after each attention (a call cut short keeps those done)."""
     (out / "latest.json").write_text(json.dumps(table, indent=2))
     lines = ["| attention | longest seq_len | planner's start | trials | note |", "|---|---|---|---|---|"]
     lines += [f"| {a} | {r['longest']:,} | {r['planner_start']:,} | {len(r['tried'])} | {r.get('reason', '')} |"
               for a, r in table.items()]
     (out / "latest.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return table
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------- planner check

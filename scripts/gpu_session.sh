@@ -36,16 +36,9 @@ for stage in $stages; do
             # latest.{json,md,png} and points.jsonl into $OUT/e2e_report.tgz (REPORT_MODELS, REPORT_LENS, REPORT_DEPTHS,
             # REPORT_OPTIONS, REPORT_STEPS and REPORT_WARMUP choose a part of the grid)
       mkdir -p /tmp/e2e_report
-      # a fresh machine of the same GPU starts from the committed report's points (a rerun skips them),
-      # where they ran with the same steps and warmup
-      [ -f /tmp/e2e_report/points.jsonl ] || REPORT_STEPS=${REPORT_STEPS:-5} REPORT_WARMUP=${REPORT_WARMUP:-2} python3 -c "
-import json, os, torch
-d = json.load(open('benchmarks/results/e2e/latest.json'))
-m = d['meta']
-if (m.get('device'), m.get('steps'), m.get('warmup')) == (torch.cuda.get_device_name(0), int(os.environ['REPORT_STEPS']),
-                                                         int(os.environ['REPORT_WARMUP'])):
-    open('/tmp/e2e_report/points.jsonl', 'w').writelines(json.dumps(r) + '\n' for r in m.get('measured', []))
-    print('report: starting from', len(m.get('measured', [])), 'committed points')"
+      # a fresh machine starts from the committed report's points (bench_report.seed_points: those that ran
+      # on this GPU with the same steps and warmup; the report says which it took, or why none)
+      [ -f /tmp/e2e_report/points.jsonl ] || cp benchmarks/results/e2e/latest.json /tmp/e2e_report/latest.json
       timeout 590 python3 -m msa_train.bench report --out /tmp/e2e_report --max-minutes "${REPORT_MINUTES:-7}" \
         --models "${REPORT_MODELS:-llama3_8b,qwen3_14b,qwen25_32b}" --seq-lens "${REPORT_LENS:-65536,131072,262144}" \
         --options "${REPORT_OPTIONS:-same,fastest}" --steps "${REPORT_STEPS:-5}" --warmup "${REPORT_WARMUP:-2}" \
@@ -78,11 +71,12 @@ if (m.get('device'), m.get('steps'), m.get('warmup')) == (torch.cuda.get_device_
         ${LONG_OPTS-parallel.offload_activations=true parallel.tile_tokens=32768 parallel.offload_optimizer=true} \
         2>&1 | tail -20 | tee "$OUT/longest${LONG_TAG:-}.log" ;;
     finder)   # the longest-sequence finder (python -m msa_train.bench longest) at Llama3-8B's full depth with LoRA
-              # (full fine-tuning at 32 layers does not fit a 125 GiB host at any length): FIND_ATTN, FIND_OPTS, FIND_TIMEOUT
-      timeout "${FIND_TIMEOUT:-580}" python3 -m msa_train.bench longest --recipe llama3_8b_64k --attention "${FIND_ATTN:-full,fmsa}" \
-        --steps 2 --timeout "${FIND_POINT_TIMEOUT:-300}" --out "$OUT/finder" -- \
+              # (full fine-tuning at 32 layers does not fit a 125 GiB host at any length), one attention a call
+              # (a trial at full depth takes minutes): FIND_ATTN, FIND_OPTS, FIND_TIMEOUT, FIND_POINT_TIMEOUT
+      timeout "${FIND_TIMEOUT:-580}" python3 -m msa_train.bench longest --recipe llama3_8b_64k --attention "${FIND_ATTN:-fmsa}" \
+        --steps 2 --timeout "${FIND_POINT_TIMEOUT:-300}" --out "$OUT/finder_${FIND_ATTN:-fmsa}" -- \
         ${FIND_OPTS-model.lora.r=16 model.lora.alpha=32 parallel.tile_tokens=32768 parallel.offload_activations=true} \
-        2>&1 | tail -20 | tee "$OUT/finder.log" ;;
+        2>&1 | tail -20 | tee "$OUT/finder_${FIND_ATTN:-fmsa}.log" ;;
     phases)  # where a long step's time goes (train.phase_times): Llama3-8B layer shapes (4 layers) at
              # PHASE_LEN tokens, one point per memory-option set NAME:ATTENTION:OVERRIDES (space-separated)
       opts="parallel.offload_activations=true parallel.tile_tokens=32768"

@@ -57,8 +57,9 @@ REFUSE_FACTOR = 1.5
 TILE_TOKENS = 32768  # the ladder's parallel.tile_tokens (as in the recipes)
 # Host memory of a training process besides what it offloads (torch's and CUDA's libraries, the
 # tokenizer and data, DeepSpeed's staging buffers), GiB per rank, counted when the host's fit is
-# checked: a 32-layer Llama-3-8B run whose offloaded optimizer state was predicted at 119.7 GiB was
-# killed by the host's OOM killer with 124.4 GiB available (benchmarks/results/e2e/latest.json).
+# checked: a 32-layer Llama-3-8B run whose offloaded optimizer state the planner puts at 119.7 GiB was
+# killed by the host's OOM killer (benchmarks/results/e2e/latest.json) on an H100 machine with 124.4
+# GiB available (MemAvailable, read in the same device call).
 HOST_PROCESS_GB = 6.0
 
 
@@ -295,10 +296,11 @@ def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[st
     # gradients and both hidden gradients are alive.
     mlp_grad_tokens = min(t_local, opt.tile_tokens) if opt.tile_tokens else t_local
     in_mlp = layer + a * H * t_local + 2 * a * shape.intermediate * mlp_grad_tokens
-    if opt.tile_tokens and opt.tile_tokens < t_local:
+    if opt.tile_tokens:
         # TiledMLP's backward recomputes one tile's forward with autograd before differentiating it:
         # that tile's saved T x I tensors (the SwiGLU's, 3 fused or 4) are alive beside its gradients.
-        # Without them the planner was 3-4 GiB (12-23%) under every tiled point of the e2e report.
+        # Without them the planner was 3-4 GiB (12-23%) under every tiled point of the e2e report. (A
+        # sequence of one tile runs the plain MLP, which saved the same tensors in its forward.)
         in_mlp += (3 if opt.fused_ops else 4) * a * shape.intermediate * mlp_grad_tokens
     in_attention = (per["norms"] / 2 + attn_tok) * t_local + (2 * a * H + a_hq) * t_local
     working = max(in_mlp, in_attention)

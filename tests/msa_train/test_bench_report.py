@@ -231,7 +231,9 @@ def test_the_finder_runs_no_trial_where_no_length_fits_the_host(tmp_path, monkey
 
 def test_a_finder_trial_that_times_out_stops_the_search_without_calling_it_too_big(tmp_path, monkeypatch):
     from msa_train import bench_points
+    from msa_train.parallel import planner
 
+    monkeypatch.setattr(planner, "host_available_gb", lambda: 64.0)  # whatever this machine has free
     tried = []
 
     def run_point(recipe, attention, seq_len, steps, extra, workdir, timeout):
@@ -244,3 +246,25 @@ def test_a_finder_trial_that_times_out_stops_the_search_without_calling_it_too_b
     row = table["full"]
     assert len(tried) == 2 and row["longest"] == tried[0] and row["tried"] == tried
     assert row["reason"].startswith(f"stopped: the trial at {tried[-1]:,} ended on a timeout after 7 s")
+
+
+def test_the_report_starts_from_the_committed_points_of_the_same_gpu_and_retries_the_planners_skips(tmp_path):
+    ran = {"key": "llama3_8b/full/65536/4/same", "model": "llama3_8b", "attention": "full", "seq_len": 65536,
+           "layers": 4, "options": "same", "ok": True, "step_s": 3.8}
+    killed = {**ran, "key": "llama3_8b/full/65536/32/same", "layers": 32, "ok": False, "error": "killed by SIGKILL"}
+    skipped = {**ran, "key": "llama3_8b/fmsa/65536/32/same", "attention": "fmsa", "layers": 32, "ok": False,
+               "skipped": True, "error": "predicted not to fit"}
+    (tmp_path / "latest.json").write_text(json.dumps({"meta": {"device": "H100", "steps": 4, "warmup": 1,
+                                                               "measured": [ran, killed, skipped]}}))
+    assert "not starting" in bench_report.seed_points(tmp_path, "H200", 4, 1)  # another GPU
+    assert "not starting" in bench_report.seed_points(tmp_path, "H100", 5, 2)  # other steps
+    assert not (tmp_path / "points.jsonl").exists()
+    assert "starting from 2 points" in bench_report.seed_points(tmp_path, "H100", 4, 1)
+    assert set(bench_report.load_points(tmp_path / "points.jsonl")) == {ran["key"], killed["key"]}
+    assert "continuing" in bench_report.seed_points(tmp_path, "H100", 4, 1)
+    (tmp_path / "points.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (ran, killed, skipped)))
+    calls = []
+    points = [Point("llama3_8b", "full", 65536, 4, "same"), Point("llama3_8b", "full", 65536, 32, "same"),
+              Point("llama3_8b", "fmsa", 65536, 32, "same")]
+    rows = bench_report.run_grid(points, tmp_path / "points.jsonl", lambda pt: calls.append(pt.key) or {"ok": True})
+    assert calls == [skipped["key"]] and rows[skipped["key"]]["ok"]  # only the skipped point runs again

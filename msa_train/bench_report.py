@@ -54,14 +54,25 @@ def fastest_options(point: "Point", fits: Callable[[List[str]], bool]) -> Tuple[
     return FAST_CANDIDATES[-1]
 
 
+def _plan(overrides: Sequence[str], recipe: str = "llama3_8b_64k", host_limit_gb: Optional[float] = None):
+    """The planner's plan of ``overrides`` on ``recipe`` and the generated data, on this machine's GPU."""
+    from msa_train.cli import compose
+    from msa_train.parallel.planner import plan_of_config
+
+    return plan_of_config(compose([f"recipe={recipe}", "data=generated", *overrides]), host_limit_gb=host_limit_gb)
+
+
+def _arm_rank(attention: str) -> int:
+    """full, nsa, fmsa (ARMS' order) in tables; any other attention after them."""
+    return ARMS.index(attention) if attention in ARMS else len(ARMS)
+
+
 def planner_verdict(overrides: List[str]) -> Optional[str]:
     """None where the planner predicts that ``overrides`` (on recipe llama3_8b_64k) fit this machine's
     GPU and the host memory available now, else why not."""
-    from msa_train.cli import compose
-    from msa_train.parallel.planner import host_available_gb, plan_of_config
+    from msa_train.parallel.planner import host_available_gb
 
-    plan = plan_of_config(compose(["recipe=llama3_8b_64k", "data=generated", *overrides]),
-                          host_limit_gb=host_available_gb())
+    plan = _plan(overrides, host_limit_gb=host_available_gb())
     if plan.fits:
         return None
     return (f"predicted not to fit: {plan.peak_gb:.1f} of {plan.gpu_gb:.0f} GiB per GPU, "
@@ -72,10 +83,7 @@ def planner_fits(overrides: List[str]) -> bool:
     """Whether the planner predicts that ``overrides`` fit this machine's GPU. The host is left out:
     the fastest options are chosen at full depth, which a report fits from shallower runs where the
     host cannot hold the full model's offloaded state (each run is still checked by planner_verdict)."""
-    from msa_train.cli import compose
-    from msa_train.parallel.planner import plan_of_config
-
-    return plan_of_config(compose(["recipe=llama3_8b_64k", "data=generated", *overrides])).fits
+    return _plan(overrides).fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +200,8 @@ def summarise_rows(rows: Dict[str, Dict], shapes: Dict[str, Dict]) -> List[Dict]
     for r in rows.values():
         groups.setdefault((r["model"], r["attention"], r["seq_len"], r["options"]), []).append(r)
     out = []
-    order = lambda kv: (kv[0][0], kv[0][3], kv[0][2], ARMS.index(kv[0][1]) if kv[0][1] in ARMS else len(ARMS))
-    for (model, att, T, opts), rs in sorted(groups.items(), key=order):
+    for (model, att, T, opts), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][3], kv[0][2],
+                                                                                 _arm_rank(kv[0][1]))):
         full_depth = shapes.get(model, {}).get("layers", SHAPES.get(model))
         ok = {r["layers"]: r for r in rs if r.get("ok") and r.get("step_s")}
         row = {"model": model, "attention": att, "seq_len": T, "options": opts, "layers": full_depth}
@@ -283,25 +291,25 @@ def write_report(rows: List[Dict], out: Path, meta: Dict) -> None:
              "the LM head's matmul), the loss's kernels, the optimizer's, communication. MFU: dense-equivalent FLOPs, and the FLOPs the attention really did.", "",
              "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    measured = [r for r in meta.get("measured") or [] if r.get("ok") and r.get("step_s")]
+    recorded = meta.get("measured") or []
+    measured = [r for r in recorded if r.get("ok") and r.get("step_s")]
     if measured:
         lines += ["", "Every measured point (the fits' inputs): seconds per step, tokens/s, and speedup over "
                   "`attention=full` at the same model, options, length and depth:", "",
                   "| model | options | seq_len | layers | attention | step_s | tokens_per_s | speedup_over_full | peak_memory_gb |",
                   "|---|---|---|---|---|---|---|---|---|"]
         at = {(r["model"], r["options"], r["seq_len"], r["layers"], r["attention"]): r for r in measured}
-        order = lambda r: (r["model"], r["options"], r["seq_len"], r["layers"], ARMS.index(r["attention"])
-                           if r["attention"] in ARMS else len(ARMS))
-        for r in sorted(measured, key=order):
+        for r in sorted(measured, key=lambda r: (r["model"], r["options"], r["seq_len"], r["layers"],
+                                                 _arm_rank(r["attention"]))):
             base = at.get((r["model"], r["options"], r["seq_len"], r["layers"], "full"))
             speedup = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
             peak = f"{r['peak_memory_gb']:.1f}" if r.get("peak_memory_gb") else "-"
             lines.append(f"| {r['model']} | {r['options']} | {r['seq_len']:,} | {r['layers']} | {r['attention']} | "
                          f"{r['step_s']:.3g} | {r['seq_len'] / r['step_s']:,.0f} | {speedup} | {peak} |")
-    failed = meta.get("failed") or []
+    failed = [r for r in recorded if not r.get("ok")]
     if failed:
         lines += ["", "Points that did not run (a prediction) or failed:", "",
-                  *(f"- `{key}`: {error}" for key, error in failed)]
+                  *(f"- `{r['key']}`: {r.get('error')}" for r in failed)]
     (out / "latest.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -435,11 +443,10 @@ def report(argv: Sequence[str]) -> List[Dict]:
                     lambda pt: measure_point(pt, args.steps, args.warmup, args.timeout, work, device),
                     None if args.max_minutes is None else args.max_minutes * 60)
     table = summarise_rows(rows, _shapes(models, peak))
-    failed = [(k, r.get("error")) for k, r in rows.items() if not r.get("ok")]
     from msa_train.parallel.planner import host_available_gb
 
     write_report(table, out, {"device": device, "points": len(rows), "grid": len(points),
-                              "steps": args.steps, "warmup": args.warmup, "failed": failed,
+                              "steps": args.steps, "warmup": args.warmup,
                               # the host memory the planner's skips weighed (none when only summarising)
                               "host_available_gb": round(host_available_gb(), 1) if torch.cuda.is_available() else None,
                               "measured": sorted(rows.values(), key=lambda r: r["key"])})
@@ -530,7 +537,7 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
             table[att] = {"longest": 0, "planner_start": 0, "tried": [], "device": device,
                           "reason": f"predicted not to fit at any length: {shortest.host_need_gb:.1f} GiB of host "
                                     f"memory needed, {host:.0f} available"}
-            _write_longest(out, table)
+            text = _write_longest(out, table)
             continue
         start = cfg.train.seq_len
         while True:  # the planner's longest power of two that fits, as the search's start
@@ -555,8 +562,8 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
                           "tried": tried, "device": device,
                           "reason": f"stopped: the trial at {stop.seq_len:,} ended on a {stop.error} (a longer "
                                     "--timeout decides it); longest is the longest that ran"}
-        _write_longest(out, table)
-    print(_write_longest(out, table))
+        text = _write_longest(out, table)
+    print(text)
     return table
 
 
@@ -588,10 +595,7 @@ PLAN_CHECK = (
 
 def _predicted_gb(overrides: Sequence[str], recipe: str = "llama3_8b_64k") -> Dict[str, float]:
     """The planner's allocated peak (what ``torch.cuda.max_memory_allocated`` measures) and host need."""
-    from msa_train.cli import compose
-    from msa_train.parallel.planner import plan_of_config
-
-    plan = plan_of_config(compose([f"recipe={recipe}", "data=generated", *overrides]))
+    plan = _plan(overrides, recipe)
     return {"predicted_gb": plan.allocated_gb, "predicted_host_gb": plan.host_gb * plan.ranks_per_host}
 
 

@@ -416,8 +416,7 @@ def host_memory_gb() -> float:
 
 def host_available_gb() -> float:
     """Memory this host can give a new process now (``MemAvailable``), GiB; the physical memory where
-    /proc/meminfo is missing. What a run must fit in: a 32-layer Llama-3-8B run that needed 124 GiB of
-    pinned optimizer state on a host of 125 GiB was killed."""
+    /proc/meminfo is missing. What a run must fit in (with ``HOST_PROCESS_GB`` a rank)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

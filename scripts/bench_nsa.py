@@ -1,6 +1,6 @@
 """Whole-NSA benchmark on one GPU: Triton NSA (forward + backward) against dense causal SDPA.
 
-For each model shape (Llama3-8B: HQ 32 / HK 8, Qwen3-14B: HQ 40 / HK 8; D 128) it
+For each model shape (Llama3-8B: HQ 32 / HK 8, Qwen3-14B: HQ 40 / HK 8, the quality study's 170M model: HQ 8 / HK 2; D 128) it
   1. checks correctness first, at --check-T (default 8K, the full head shape): the Triton NSA
      (bf16) against flash_msa.reference.nsa_attention (fp32 on the same bf16 inputs): o and every
      gradient, and the top-k sets of the Triton selection against the reference selection.
@@ -28,7 +28,8 @@ import sys
 import time
 import traceback
 
-MODELS = {"llama3_8b": (32, 8, 128), "qwen3_14b": (40, 8, 128)}
+MODELS = {"llama3_8b": (32, 8, 128), "qwen3_14b": (40, 8, 128),
+          "quality_170m": (8, 2, 128)}  # recipes/quality_170m.yaml: the quality study's model (docs/quality.md)
 SIZES = dict(cmp_block=32, cmp_stride=16, slc_block=64, slc_topk=16, window=512)
 BRANCH_NAMES = ("compress", "cmp_attn", "topk", "selected", "window", "gates")
 

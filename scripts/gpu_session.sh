@@ -53,13 +53,14 @@ for stage in $stages; do
         --out "$OUT/lora_llama3_8b" -- model.lora.r=16 model.lora.alpha=32 2>&1 | tail -15 | tee "$OUT/lora.log" ;;
     grpo)   # GRPO (msa_train/grpo.py) on Llama3-8B at full depth with LoRA (r=16), GRPO_LEN-token pass-key prompts,
             # 8 completions each, full vs fmsa: generation tokens/s, step time and reward per step (random
-            # weights: the reward stays near 0, the timings are what this measures)
+            # weights: the reward stays near 0, the timings are what this measures). GRPO_OPTS: more overrides;
+            # 16K prompts need GRPO_OPTS=parallel.tile_tokens=32768 (the planner: 84.9 GiB of 80 without)
       for attn in ${GRPO_ATTN:-full fmsa}; do
         timeout "${GRPO_TIMEOUT:-270}" python3 -m msa_train.cli recipe=llama3_8b_64k data=retrieval attention=$attn \
           model.lora.r=16 model.lora.alpha=32 train.seq_len="${GRPO_LEN:-16384}" train.grad_accum=1 train.grpo_group=8 \
           train.grpo_max_new_tokens=32 train.grpo_reward=chars train.steps="${GRPO_STEPS:-6}" train.save_final=false \
           train.save_hf=false train.progress=false data.num_prompts=64 data.num_docs=32 data.min_doc_tokens=8192 \
-          data.max_doc_tokens=65536 train.output_dir="$OUT/grpo_llama3_8b_lora_$attn" 2>&1 | grep -v "^$" | tail -6
+          data.max_doc_tokens=65536 train.output_dir="$OUT/grpo_llama3_8b_lora_$attn" ${GRPO_OPTS:-} 2>&1 | grep -v "^$" | tail -6
         cp "$OUT/grpo_llama3_8b_lora_$attn/metrics.jsonl" "$OUT/grpo_${attn}_metrics.jsonl" 2>/dev/null
         rm -rf "$OUT/grpo_llama3_8b_lora_$attn"
       done 2>&1 | tee "$OUT/grpo.log" ;;
@@ -123,8 +124,8 @@ for stage in $stages; do
       export TOKENIZERS_PARALLELISM=true  # gpu_env.sh turns it off; the corpus and the data tokenize on every core
       if [ ! -f "$W/started" ]; then
         touch "$W/started"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/gpu.txt"
-        setsid nohup bash -c "python3 -m msa_train.quality corpus --out $W/corpus --max-tokens ${QUALITY_TOKENS:-20000000} \
-            --vocab 16384 && python3 -m msa_train.quality all --work $W --out $W/results --budget-s ${QUALITY_BUDGET:-1200} \
+        setsid nohup bash -c "python3 -m msa_train.quality corpus --out $W/corpus --max-tokens ${QUALITY_TOKENS:-23000000} \
+            --vocab 16384 && python3 -m msa_train.quality all --work $W --out $W/results --budget-s ${QUALITY_BUDGET:-1450} \
             ${QUALITY_STEPS:+--steps $QUALITY_STEPS} ${QUALITY_MIX:+--mix-fraction $QUALITY_MIX}; echo \$? > $W/rc" > "$W/log" 2>&1 < /dev/null &
       fi
       end=$((SECONDS + ${QUALITY_WAIT:-540}))

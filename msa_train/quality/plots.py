@@ -76,14 +76,32 @@ def write_heatmap(results: Mapping[str, Retrieval], path, title: str = "") -> Pa
     return path
 
 
+def moving_mean(ys: Sequence[float], window: int) -> List[float]:
+    """The trailing mean of up to ``window`` points at every point (the first points average fewer)."""
+    if window < 1:
+        raise ValueError(f"window: expected an integer >= 1, got {window}")
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y
+        if i >= window:
+            total -= ys[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def write_curves(curves: Mapping[str, Sequence[Tuple[float, float]]], path, xlabel: str, ylabel: str,
-                 title: str = "", logx: bool = False) -> Path:
-    """Several (x, y) curves on one plot (loss against tokens or seconds, loss by position)."""
+                 title: str = "", logx: bool = False, smooth: int = 1) -> Path:
+    """Several (x, y) curves on one plot (loss against tokens or seconds, loss by position); with
+    ``smooth`` > 1 each y is the trailing mean of ``smooth`` points, said in the y label (a step of
+    one 16K-token sequence is a noisy loss: code, prose or synthetic questions)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    if smooth > 1:
+        ylabel = f"{ylabel} (mean of {smooth} steps)"
     for name, pts in curves.items():
         if pts:
             xs, ys = zip(*pts)
+            ys = moving_mean(ys, smooth) if smooth > 1 else ys
             ax.plot(xs, ys, label=name, marker="o" if len(pts) < 20 else None, markersize=3)
     if logx:
         ax.set_xscale("log", base=2)

@@ -1,5 +1,7 @@
-"""The retrieval heatmap (msa_train/quality/plots.py)."""
-from msa_train.quality.plots import heatmap_figure, write_heatmap
+"""The retrieval heatmap and the loss curves (msa_train/quality/plots.py)."""
+import pytest
+
+from msa_train.quality.plots import heatmap_figure, moving_mean, write_curves, write_heatmap
 
 
 def test_heatmap_axes_and_png(tmp_path):
@@ -17,3 +19,25 @@ def test_heatmap_axes_and_png(tmp_path):
     assert image.shape == (3, 2) and image[2, 1] == 0.0 and image[1, 1] == 0.5 and image[0, 0] == 1.0
     path = write_heatmap(results, tmp_path / "h.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_moving_mean_is_the_trailing_mean_of_the_window():
+    assert moving_mean([4.0, 2.0, 6.0, 0.0], 2) == [4.0, 3.0, 4.0, 3.0]
+    assert moving_mean([4.0, 2.0, 6.0], 5) == [4.0, 3.0, 4.0]  # the first points average what there is
+    assert moving_mean([1.0, 5.0], 1) == [1.0, 5.0]
+    with pytest.raises(ValueError, match="window"):
+        moving_mean([1.0], 0)
+
+
+def test_smoothed_curves_say_so_on_the_axis(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    labels = []
+    real = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (labels.append(fig.axes[0].get_ylabel()), real(fig, *a, **k))[1])
+    pts = [(i, float(i % 3)) for i in range(30)]
+    write_curves({"a": pts}, tmp_path / "raw.png", "step", "training loss")
+    write_curves({"a": pts}, tmp_path / "smooth.png", "step", "training loss", smooth=3)
+    assert labels == ["training loss", "training loss (mean of 3 steps)"]
+    assert (tmp_path / "smooth.png").read_bytes()[:4] == b"\x89PNG"

@@ -5,12 +5,19 @@ import time
 
 import pytest
 
-from msa_train.quality.study import Plan, steps_to_within
+from msa_train.quality.study import Plan, _loss_at_wall, steps_to_within
 
 
 def test_steps_to_within():
     assert steps_to_within([2.0, 1.5, 1.005, 1.0], [1.0, 1.0, 1.0, 1.0], window=1) == 3
     assert steps_to_within([2.0, 1.0, 2.0], [1.0, 1.0, 1.0], window=1) is None
+
+
+def test_loss_at_wall_means_the_steps_done_by_then():
+    curve = [{"wall_s": float(i), "loss": float(i)} for i in range(1, 11)]
+    assert _loss_at_wall(curve, 6.0, window=3) == 5.0      # steps at 4, 5, 6 s
+    assert _loss_at_wall(curve, 2.5, window=3) == 1.5      # only two steps done by 2.5 s
+    assert _loss_at_wall(curve, 0.5, window=3) is None
 
 
 def test_steps_option_sizes_both_studies():

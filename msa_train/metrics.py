@@ -72,7 +72,9 @@ def format_eval(record: Dict[str, Any]) -> str:
     for key, label, fmt in (("eval_loss", "loss", "{:.4f}"), ("eval_ppl", "ppl", "{:.2f}"),
                             ("eval_reward_accuracy", "reward acc", "{:.3f}"),
                             ("eval_passkey_accuracy", "pass-key acc", "{:.3f}"),
-                            ("eval_retrieval_accuracy", "retrieval acc", "{:.3f}"), ("eval_reward", "reward", "{:.3f}")):
+                            ("eval_retrieval_accuracy", "retrieval acc", "{:.3f}"),
+                            ("eval_retrieval_token_accuracy", "answer-token acc", "{:.3f}"),
+                            ("eval_retrieval_loss", "answer loss", "{:.3f}"), ("eval_reward", "reward", "{:.3f}")):
         if record.get(key) is not None:
             parts.append(f"{label} {fmt.format(record[key])}")
     by_pos = [(k[len("eval_loss_pos_"):].replace("_", "-"), v) for k, v in record.items()

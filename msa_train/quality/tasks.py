@@ -354,14 +354,15 @@ def pack_probes(probes: Sequence[Dict[str, Any]], pack_len: int, pad_id: int) ->
     return packs
 
 
-def retrieval_table(probes: Sequence[Dict[str, Any]], correct: Sequence[bool]) -> Dict[str, Dict[str, Dict[str, float]]]:
-    """Exact-match accuracy by task -> length -> depth (string keys, as JSON writes them)."""
-    cells: Dict[Tuple[str, int, float], List[bool]] = {}
-    for p, ok in zip(probes, correct):
-        cells.setdefault((p["task"], len(p["input_ids"]), p["depth"]), []).append(bool(ok))
+def retrieval_table(probes: Sequence[Dict[str, Any]], values: Sequence[float]) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """The mean of a per-probe value (exact match as a bool, a fraction of answer tokens, a loss) by
+    task -> length -> depth (string keys, as JSON writes them)."""
+    cells: Dict[Tuple[str, int, float], List[float]] = {}
+    for p, v in zip(probes, values):
+        cells.setdefault((p["task"], len(p["input_ids"]), p["depth"]), []).append(float(v))
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
-    for (task, length, depth), oks in cells.items():
-        out.setdefault(task, {}).setdefault(str(length), {})[f"{depth:g}"] = sum(oks) / len(oks)
+    for (task, length, depth), vs in cells.items():
+        out.setdefault(task, {}).setdefault(str(length), {})[f"{depth:g}"] = sum(vs) / len(vs)
     return out
 
 

@@ -23,6 +23,30 @@ def test_position_edges_and_buckets():
         position_edges(16, 6)
 
 
+def test_retrieval_metrics_grade_every_probe():
+    from msa_train.evaluation import retrieval_metrics
+
+    def probe(task, length, depth, answer_tokens):
+        return {"task": task, "input_ids": [0] * length, "depth": depth, "answer_tokens": answer_tokens}
+
+    probes = [probe("passkey", 64, 0.0, 2), probe("passkey", 64, 0.0, 2), probe("passkey", 128, 1.0, 2),
+              probe("multi_value", 64, 0.0, 4)]
+    # per probe: answer loss summed over its tokens, argmax-correct answer tokens
+    per_probe = torch.tensor([[0.2, 2.0], [3.0, 1.0], [8.0, 0.0], [4.0, 3.0]])
+    m = retrieval_metrics(probes, per_probe)
+    assert m["eval_retrieval_accuracy"] == 0.25 and m["eval_retrieval_passkey"] == pytest.approx(1 / 3)
+    assert m["retrieval"]["passkey"]["64"]["0"] == 0.5 and m["retrieval"]["multi_value"]["64"]["0"] == 0.0
+    # graded: a probe with one of its two tokens right counts half, the loss is per answer token
+    assert m["retrieval_token_accuracy"]["passkey"]["64"]["0"] == 0.75
+    assert m["retrieval_token_accuracy"]["multi_value"]["64"]["0"] == 0.75
+    assert m["retrieval_answer_loss"]["passkey"]["64"]["0"] == pytest.approx((0.1 + 1.5) / 2)
+    assert m["retrieval_answer_loss"]["passkey"]["128"]["1"] == pytest.approx(4.0)
+    assert m["eval_retrieval_token_accuracy"] == pytest.approx(6 / 10)     # every answer token of the grid
+    assert m["eval_retrieval_loss"] == pytest.approx(15.2 / 10)
+    assert m["eval_retrieval_passkey_token_accuracy"] == pytest.approx((1 + 0.5 + 0) / 3)
+    assert m["eval_retrieval_multi_value_loss"] == pytest.approx(1.0)
+
+
 def test_passkey_probes():
     from msa_train.data import byte_tokenizer
     from msa_train.evaluation import passkey_probes
@@ -221,3 +245,11 @@ def test_eval_only_refuses_documents_the_model_trained_on(tmp_path):
     out = Trainer(compose([*common, "data.eval_fraction=0.25", "eval.only=true", "train.resume=auto",
                            f"train.output_dir={tmp_path / 'held'}"])).run()
     assert math.isfinite(out["eval_loss"])
+
+
+def test_eval_line_shows_the_graded_retrieval_figures():
+    from msa_train.metrics import format_eval
+
+    line = format_eval({"step": 7, "eval_loss": 2.5, "eval_retrieval_accuracy": 0.0,
+                        "eval_retrieval_token_accuracy": 0.3125, "eval_retrieval_loss": 4.25})
+    assert line == "eval step 7:  loss 2.5000  retrieval acc 0.000  answer-token acc 0.312  answer loss 4.250"

@@ -63,6 +63,11 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         assert e["done"] is True and e["retrieval_answer_loss"] > 0
         assert e["tokens"] == 3 * 256 and e["wall_s"] > 0 and e["final_eval_loss"] > 0
         assert set(e["retrieval"]) == {"passkey", "single_needle"} and set(e["retrieval"]["passkey"]) == {"384", "512"}
+        assert 0 <= e["retrieval_token_accuracy"] <= 1
+        by_length = e["retrieval_by_length"]
+        assert set(by_length) == {"token_accuracy", "answer_loss"}
+        assert set(by_length["answer_loss"]["single_needle"]) == {"384", "512"}
+        assert all(v > 0 for v in by_length["answer_loss"]["passkey"].values())
     assert s["from_scratch"]["dense_seed_spread"] is not None
     for name in ("dense_continued", "nsa_converted", "nsa_distilled"):
         e = s["conversion"][name]

@@ -34,8 +34,8 @@ def main(argv=None) -> int:
         s.add_argument("--tiny", action="store_true", help="tiny sizes: the CPU test of the whole pipeline")
         if name in ("study-a", "all"):
             s.add_argument("--mix-fraction", type=float, default=None,
-                           help="fraction of the training tokens that are synthetic retrieval documents (default "
-                                "0.3); read when the mix is first written, so give it to the first invocation")
+                           help="synthetic retrieval tokens as a fraction of the corpus's training tokens (default "
+                                "0.3, 23%% of the mixed data); read when the mix is first written, so give it to the first invocation")
         s.add_argument("--steps", type=int, default=None,
                        help="study A's optimizer steps (default: the recipe's); study B runs a tenth of them. "
                             "Give the same value to every invocation of one study")

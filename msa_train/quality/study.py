@@ -24,14 +24,16 @@ from typing import Any, Dict, List, Optional, Sequence
 log = logging.getLogger(__name__)
 
 TASKS_ALL = ["passkey", "single_needle", "multi_key", "multi_value", "variable_tracking"]
+RECIPE_STEPS = 1800  # recipes/quality_170m.yaml's train.steps (a test keeps the two equal)
 
 
 @dataclass
 class Plan:
     """Sizes of the study; ``gpu()`` is the H200 study, ``tiny()`` the CPU test of the whole pipeline."""
     recipe_overrides: List[str]
-    mix_fraction: float = 0.3           # synthetic retrieval documents, as a fraction of the training tokens
-                                        # (3% and 10% left both models at 0% retrieval in the first two runs)
+    mix_fraction: float = 0.3           # synthetic retrieval tokens, as a fraction of the corpus's training tokens
+                                        # (0.3: 23% of the mixed data; 0.03 and 0.1 left both models at 0%
+                                        # retrieval in the first two runs)
     mix_tasks: List[str] = field(default_factory=lambda: list(TASKS_ALL))
     # the longest leaves room below train.seq_len (16384) for BOS/EOS and re-tokenising the text, so no
     # synthetic document is split from its questions by packing
@@ -40,7 +42,7 @@ class Plan:
     mix_max_queries: int = 32           # ... and at most this many
     haystack_tokens: int = 2_000_000    # training text the synthetic documents take their haystacks from
     seed_spread_retrieval: bool = False  # the second dense seed: held-out loss only
-    conversion_steps: int = 32          # study B: ~10% of study A's tokens
+    conversion_steps: int = RECIPE_STEPS // 10  # study B: 10% of study A's tokens
     conversion_lr: float = 3e-4
     conversion_warmup: int = 2
     distill_steps: int = 50
@@ -360,11 +362,12 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
     walls = [a[n]["wall_s"] for n in ("full", "fmsa") if a[n]["wall_s"]]
     equal_wall = min(walls) if len(walls) == 2 else None
     # a step is one 16K-token sequence, and its loss depends on what the sequence holds (code, prose,
-    # synthetic questions): the third run's 10-step means put NSA 2% below dense at equal
-    # wall-clock, its 90-step means 6% above. So the mean over a twentieth of the run.
+    # synthetic questions), so 10-step means swing by several percent: the mean over a twentieth of the run
     wall_window = max(10, max((len(c) for c in curves.values()), default=0) // 20)
     for name in a:
         a[name]["train_loss_at_equal_wall"] = _loss_at_wall(curves[name], equal_wall, wall_window) if equal_wall else None
+        done = [r["step"] for r in curves[name] if equal_wall and r["wall_s"] <= equal_wall + 1e-9]
+        a[name]["step_at_equal_wall"] = done[-1] if done else None  # a shorter run: its last step
     spread = None
     if a["full"]["final_eval_loss"] is not None and a["full_seed1"]["final_eval_loss"] is not None:
         spread = abs(a["full"]["final_eval_loss"] - a["full_seed1"]["final_eval_loss"])

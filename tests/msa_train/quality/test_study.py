@@ -20,6 +20,17 @@ def test_loss_at_wall_means_the_steps_done_by_then():
     assert _loss_at_wall(curve, 0.5, window=3) is None
 
 
+def test_study_b_defaults_to_a_tenth_of_the_recipes_steps():
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from msa_train.quality.study import RECIPE_STEPS
+
+    recipe = OmegaConf.load(Path(__file__).parents[3] / "recipes" / "quality_170m.yaml")
+    assert recipe.train.steps == RECIPE_STEPS and Plan.gpu().conversion_steps == RECIPE_STEPS // 10
+
+
 def test_steps_option_sizes_both_studies():
     plan = Plan.gpu().with_steps(240)
     assert plan.recipe_overrides[-1] == "train.steps=240" and plan.conversion_steps == 24
@@ -63,7 +74,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         assert e["done"] is True and e["retrieval_answer_loss"] > 0
         assert e["tokens"] == 3 * 256 and e["wall_s"] > 0 and e["final_eval_loss"] > 0
         assert set(e["retrieval"]) == {"passkey", "single_needle"} and set(e["retrieval"]["passkey"]) == {"384", "512"}
-        assert 0 <= e["retrieval_token_accuracy"] <= 1
+        assert 0 <= e["retrieval_token_accuracy"] <= 1 and e["step_at_equal_wall"] in (1, 2, 3)
         by_length = e["retrieval_by_length"]
         assert set(by_length) == {"token_accuracy", "answer_loss"}
         assert set(by_length["answer_loss"]["single_needle"]) == {"384", "512"}

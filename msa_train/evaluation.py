@@ -189,25 +189,27 @@ def retrieval_haystack(dataset, tokenizer, max_tokens: int):
 def retrieval_metrics(probes: Sequence[Dict[str, Any]], per_probe: torch.Tensor) -> Dict[str, Any]:
     """Host metrics from the all-reduced per-probe [P, 2] (answer loss sum, argmax-correct answer tokens):
     ``retrieval`` (task -> length -> depth -> exact-match accuracy), the mean accuracy overall and per task,
-    and the graded tables that tell models apart before exact matches appear: ``retrieval_token_accuracy``
-    (the fraction of answer tokens that are the top prediction) and ``retrieval_answer_loss`` (loss per
-    answer token), both task -> length -> depth, with their per-task means."""
+    and the graded figures that tell models apart before exact matches appear: the fraction of answer
+    tokens that are the top prediction and the loss per answer token, over every answer token overall
+    and per task, and as the mean of each probe's by cell (``retrieval_token_accuracy_by_cell``,
+    ``retrieval_answer_loss_by_cell``: task -> length -> depth)."""
     from msa_train.quality.tasks import retrieval_table
 
     per_probe = per_probe.double().cpu()
     need = torch.tensor([p["answer_tokens"] for p in probes], dtype=torch.float64)
+    if not (need > 0).all():
+        raise ValueError("retrieval probes: every probe needs at least one answer token")
     exact = (per_probe[:, 1] == need).tolist()
-    token_acc = (per_probe[:, 1] / need).tolist()
-    answer_loss = (per_probe[:, 0] / need).tolist()
     out: Dict[str, Any] = {"eval_retrieval_accuracy": sum(exact) / len(exact),
                            "eval_retrieval_loss": (per_probe[:, 0].sum() / need.sum()).item(),
                            "eval_retrieval_token_accuracy": (per_probe[:, 1].sum() / need.sum()).item()}
     for task in dict.fromkeys(p["task"] for p in probes):
-        mine = [i for i, p in enumerate(probes) if p["task"] == task]
-        out[f"eval_retrieval_{task}"] = sum(exact[i] for i in mine) / len(mine)
-        out[f"eval_retrieval_{task}_token_accuracy"] = sum(token_acc[i] for i in mine) / len(mine)
-        out[f"eval_retrieval_{task}_loss"] = sum(answer_loss[i] for i in mine) / len(mine)
+        mine = torch.tensor([p["task"] == task for p in probes])
+        out[f"eval_retrieval_{task}"] = sum(e for e, m in zip(exact, mine.tolist()) if m) / int(mine.sum())
+        tokens = need[mine].sum()
+        out[f"eval_retrieval_{task}_token_accuracy"] = (per_probe[mine, 1].sum() / tokens).item()
+        out[f"eval_retrieval_{task}_loss"] = (per_probe[mine, 0].sum() / tokens).item()
     out["retrieval"] = retrieval_table(probes, exact)
-    out["retrieval_token_accuracy"] = retrieval_table(probes, token_acc)
-    out["retrieval_answer_loss"] = retrieval_table(probes, answer_loss)
+    out["retrieval_token_accuracy_by_cell"] = retrieval_table(probes, (per_probe[:, 1] / need).tolist())
+    out["retrieval_answer_loss_by_cell"] = retrieval_table(probes, (per_probe[:, 0] / need).tolist())
     return out

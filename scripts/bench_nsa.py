@@ -511,7 +511,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--Ts", default="8192,16384,32768,65536,131072,262144,524288,1048576")
     p.add_argument("--models", default="llama3_8b,qwen3_14b")
-    p.add_argument("--qwen-Ts", default="65536,262144", help="T values for models other than llama3_8b")
+    p.add_argument("--qwen-Ts", default="65536,262144", help="T values for every model other than llama3_8b (qwen3_14b, quality_170m); --Ts is llama3_8b's")
     p.add_argument("--check-T", type=int, default=8192)
     p.add_argument("--dense-max-t", type=int, default=262144)
     p.add_argument("--flash-max-t", type=int, default=131072)

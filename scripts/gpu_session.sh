@@ -53,14 +53,15 @@ for stage in $stages; do
         --out "$OUT/lora_llama3_8b" -- model.lora.r=16 model.lora.alpha=32 2>&1 | tail -15 | tee "$OUT/lora.log" ;;
     grpo)   # GRPO (msa_train/grpo.py) on Llama3-8B at full depth with LoRA (r=16), GRPO_LEN-token pass-key prompts,
             # 8 completions each, full vs fmsa: generation tokens/s, step time and reward per step (random
-            # weights: the reward stays near 0, the timings are what this measures). GRPO_OPTS: more overrides;
-            # 16K prompts need GRPO_OPTS=parallel.tile_tokens=32768 (the planner: 84.9 GiB of 80 without)
+            # weights: the reward stays near 0, the timings are what this measures). GRPO_OPTS: more overrides,
+            # by default tiled MLPs from 16K prompts up (the planner: 84.9 GiB of 80 at 16K without them)
+      grpo_opts=${GRPO_OPTS-$([ "${GRPO_LEN:-16384}" -ge 16384 ] && echo parallel.tile_tokens=32768)}
       for attn in ${GRPO_ATTN:-full fmsa}; do
         timeout "${GRPO_TIMEOUT:-270}" python3 -m msa_train.cli recipe=llama3_8b_64k data=retrieval attention=$attn \
           model.lora.r=16 model.lora.alpha=32 train.seq_len="${GRPO_LEN:-16384}" train.grad_accum=1 train.grpo_group=8 \
           train.grpo_max_new_tokens=32 train.grpo_reward=chars train.steps="${GRPO_STEPS:-6}" train.save_final=false \
           train.save_hf=false train.progress=false data.num_prompts=64 data.num_docs=32 data.min_doc_tokens=8192 \
-          data.max_doc_tokens=65536 train.output_dir="$OUT/grpo_llama3_8b_lora_$attn" ${GRPO_OPTS:-} 2>&1 | grep -v "^$" | tail -6
+          data.max_doc_tokens=65536 train.output_dir="$OUT/grpo_llama3_8b_lora_$attn" $grpo_opts 2>&1 | grep -v "^$" | tail -6
         cp "$OUT/grpo_llama3_8b_lora_$attn/metrics.jsonl" "$OUT/grpo_${attn}_metrics.jsonl" 2>/dev/null
         rm -rf "$OUT/grpo_llama3_8b_lora_$attn"
       done 2>&1 | tee "$OUT/grpo.log" ;;

@@ -29,22 +29,27 @@ def test_retrieval_metrics_grade_every_probe():
     def probe(task, length, depth, answer_tokens):
         return {"task": task, "input_ids": [0] * length, "depth": depth, "answer_tokens": answer_tokens}
 
-    probes = [probe("passkey", 64, 0.0, 2), probe("passkey", 64, 0.0, 2), probe("passkey", 128, 1.0, 2),
+    probes = [probe("passkey", 64, 0.0, 2), probe("passkey", 64, 0.0, 2), probe("passkey", 128, 1.0, 4),
               probe("multi_value", 64, 0.0, 4)]
     # per probe: answer loss summed over its tokens, argmax-correct answer tokens
-    per_probe = torch.tensor([[0.2, 2.0], [3.0, 1.0], [8.0, 0.0], [4.0, 3.0]])
+    per_probe = torch.tensor([[0.2, 2.0], [3.0, 1.0], [8.0, 1.0], [4.0, 3.0]])
     m = retrieval_metrics(probes, per_probe)
     assert m["eval_retrieval_accuracy"] == 0.25 and m["eval_retrieval_passkey"] == pytest.approx(1 / 3)
     assert m["retrieval"]["passkey"]["64"]["0"] == 0.5 and m["retrieval"]["multi_value"]["64"]["0"] == 0.0
-    # graded: a probe with one of its two tokens right counts half, the loss is per answer token
-    assert m["retrieval_token_accuracy"]["passkey"]["64"]["0"] == 0.75
-    assert m["retrieval_token_accuracy"]["multi_value"]["64"]["0"] == 0.75
-    assert m["retrieval_answer_loss"]["passkey"]["64"]["0"] == pytest.approx((0.1 + 1.5) / 2)
-    assert m["retrieval_answer_loss"]["passkey"]["128"]["1"] == pytest.approx(4.0)
-    assert m["eval_retrieval_token_accuracy"] == pytest.approx(6 / 10)     # every answer token of the grid
-    assert m["eval_retrieval_loss"] == pytest.approx(15.2 / 10)
-    assert m["eval_retrieval_passkey_token_accuracy"] == pytest.approx((1 + 0.5 + 0) / 3)
+    # by cell, each probe's own fraction and loss per answer token, averaged
+    assert m["retrieval_token_accuracy_by_cell"]["passkey"]["64"]["0"] == 0.75
+    assert m["retrieval_token_accuracy_by_cell"]["passkey"]["128"]["1"] == 0.25
+    assert m["retrieval_token_accuracy_by_cell"]["multi_value"]["64"]["0"] == 0.75
+    assert m["retrieval_answer_loss_by_cell"]["passkey"]["64"]["0"] == pytest.approx((0.1 + 1.5) / 2)
+    assert m["retrieval_answer_loss_by_cell"]["passkey"]["128"]["1"] == pytest.approx(2.0)
+    # overall and per task: over every answer token (the 4-token probe weighs twice a 2-token one)
+    assert m["eval_retrieval_token_accuracy"] == pytest.approx(7 / 12)
+    assert m["eval_retrieval_loss"] == pytest.approx(15.2 / 12)
+    assert m["eval_retrieval_passkey_token_accuracy"] == pytest.approx(4 / 8)
+    assert m["eval_retrieval_passkey_loss"] == pytest.approx(11.2 / 8)
     assert m["eval_retrieval_multi_value_loss"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="at least one answer token"):
+        retrieval_metrics([probe("passkey", 64, 0.0, 0)], torch.zeros(1, 2))
 
 
 def test_passkey_probes():

@@ -32,12 +32,18 @@ def test_moving_mean_is_the_trailing_mean_of_the_window():
 def test_smoothed_curves_say_so_on_the_axis(tmp_path, monkeypatch):
     import matplotlib.figure
 
-    labels = []
+    labels, ys = [], []
     real = matplotlib.figure.Figure.savefig
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
-                        lambda fig, *a, **k: (labels.append(fig.axes[0].get_ylabel()), real(fig, *a, **k))[1])
+
+    def record(fig, *a, **k):
+        labels.append(fig.axes[0].get_ylabel())
+        ys.append(list(fig.axes[0].lines[0].get_ydata()))
+        return real(fig, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
     pts = [(i, float(i % 3)) for i in range(30)]
     write_curves({"a": pts}, tmp_path / "raw.png", "step", "training loss")
     write_curves({"a": pts}, tmp_path / "smooth.png", "step", "training loss", smooth=3)
     assert labels == ["training loss", "training loss (mean of 3 steps)"]
+    assert ys[0][:4] == [0.0, 1.0, 2.0, 0.0] and ys[1][:4] == [0.0, 0.5, 1.0, 1.0]
     assert (tmp_path / "smooth.png").read_bytes()[:4] == b"\x89PNG"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -107,13 +107,17 @@ def lm_metrics(sums: torch.Tensor, counts: torch.Tensor, edges: Sequence[int]) -
     return out
 
 
+def _answer_scores(per_probe: torch.Tensor, need: torch.Tensor) -> Tuple[float, float, float]:
+    """Over probes' host [P, 2] (answer loss sum, argmax-correct answer tokens) and answer lengths [P]:
+    exact-match accuracy, the fraction of answer tokens predicted, the loss per answer token."""
+    return ((per_probe[:, 1] == need).double().mean().item(), (per_probe[:, 1].sum() / need.sum()).item(),
+            (per_probe[:, 0].sum() / need.sum()).item())
+
+
 def passkey_metrics(per_probe: torch.Tensor, answer_tokens: Sequence[int]) -> Dict[str, Any]:
     """Host metrics from the all-reduced per-probe [P, 2] (answer loss sum, argmax-correct answer tokens)."""
-    per_probe = per_probe.double().cpu()
-    need = torch.tensor(list(answer_tokens), dtype=torch.float64)
-    return {"eval_passkey_accuracy": (per_probe[:, 1] == need).double().mean().item(),
-            "eval_passkey_token_accuracy": (per_probe[:, 1].sum() / need.sum()).item(),
-            "eval_passkey_loss": (per_probe[:, 0].sum() / need.sum()).item()}
+    scores = _answer_scores(per_probe.double().cpu(), torch.tensor(list(answer_tokens), dtype=torch.float64))
+    return dict(zip(("eval_passkey_accuracy", "eval_passkey_token_accuracy", "eval_passkey_loss"), scores))
 
 
 # ---------------------------------------------------------------- training documents (the hold-out record)
@@ -199,17 +203,13 @@ def retrieval_metrics(probes: Sequence[Dict[str, Any]], per_probe: torch.Tensor)
     need = torch.tensor([p["answer_tokens"] for p in probes], dtype=torch.float64)
     if not (need > 0).all():
         raise ValueError("retrieval probes: every probe needs at least one answer token")
-    exact = (per_probe[:, 1] == need).tolist()
-    out: Dict[str, Any] = {"eval_retrieval_accuracy": sum(exact) / len(exact),
-                           "eval_retrieval_loss": (per_probe[:, 0].sum() / need.sum()).item(),
-                           "eval_retrieval_token_accuracy": (per_probe[:, 1].sum() / need.sum()).item()}
+    out: Dict[str, Any] = dict(zip(("eval_retrieval_accuracy", "eval_retrieval_token_accuracy", "eval_retrieval_loss"),
+                                   _answer_scores(per_probe, need)))
     for task in dict.fromkeys(p["task"] for p in probes):
         mine = torch.tensor([p["task"] == task for p in probes])
-        out[f"eval_retrieval_{task}"] = sum(e for e, m in zip(exact, mine.tolist()) if m) / int(mine.sum())
-        tokens = need[mine].sum()
-        out[f"eval_retrieval_{task}_token_accuracy"] = (per_probe[mine, 1].sum() / tokens).item()
-        out[f"eval_retrieval_{task}_loss"] = (per_probe[mine, 0].sum() / tokens).item()
-    out["retrieval"] = retrieval_table(probes, exact)
+        out.update(zip((f"eval_retrieval_{task}", f"eval_retrieval_{task}_token_accuracy", f"eval_retrieval_{task}_loss"),
+                       _answer_scores(per_probe[mine], need[mine])))
+    out["retrieval"] = retrieval_table(probes, (per_probe[:, 1] == need).tolist())
     out["retrieval_token_accuracy_by_cell"] = retrieval_table(probes, (per_probe[:, 1] / need).tolist())
     out["retrieval_answer_loss_by_cell"] = retrieval_table(probes, (per_probe[:, 0] / need).tolist())
     return out

@@ -101,7 +101,7 @@ def write_curves(curves: Mapping[str, Sequence[Tuple[float, float]]], path, xlab
     for name, pts in curves.items():
         if pts:
             xs, ys = zip(*pts)
-            ys = moving_mean(ys, smooth) if smooth > 1 else ys
+            ys = moving_mean(ys, smooth)
             ax.plot(xs, ys, label=name, marker="o" if len(pts) < 20 else None, markersize=3)
     if logx:
         ax.set_xscale("log", base=2)

@@ -336,11 +336,15 @@ def _by_length(ev: Dict[str, Any]) -> Optional[Dict[str, Dict[str, Dict[str, flo
                    for task, lengths in table.items()} for name, table in tables.items()}
 
 
+def _steps_done_by(curve: List[Dict[str, Any]], wall: float) -> int:
+    return sum(1 for r in curve if r["wall_s"] <= wall + 1e-9)
+
+
 def _loss_at_wall(curve: List[Dict[str, Any]], wall: float, window: int) -> Optional[float]:
     """The training loss at ``wall`` seconds: the mean of ``window`` steps centred on the last step
     done by then, or the last ``window`` steps of a run that ends there. A trailing mean on a
     still-falling curve lags it (the third run: NSA 3.624 trailing, 3.583 centred, at 230 s)."""
-    done = sum(1 for r in curve if r["wall_s"] <= wall + 1e-9)
+    done = _steps_done_by(curve, wall)
     if not done:
         return None
     hi = min(len(curve), done + (window - 1) // 2)
@@ -370,11 +374,13 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
     equal_wall = min(walls) if len(walls) == 2 else None
     # a step is one 16K-token sequence, and its loss depends on what the sequence holds (code, prose,
     # synthetic questions), so 10-step means swing by several percent: the mean over a twentieth of the run
-    wall_window = max(10, max((len(c) for c in curves.values()), default=0) // 20)
+    longest_a = max((len(c) for c in curves.values()), default=0)
+    wall_window = max(10, longest_a // 20)
     for name in a:
-        a[name]["train_loss_at_equal_wall"] = _loss_at_wall(curves[name], equal_wall, wall_window) if equal_wall else None
-        done = [r["step"] for r in curves[name] if equal_wall and r["wall_s"] <= equal_wall + 1e-9]
-        a[name]["step_at_equal_wall"] = done[-1] if done else None  # a shorter run: its last step
+        curve = curves[name]
+        done = _steps_done_by(curve, equal_wall) if equal_wall else 0
+        a[name]["train_loss_at_equal_wall"] = _loss_at_wall(curve, equal_wall, wall_window) if done else None
+        a[name]["step_at_equal_wall"] = curve[done - 1]["step"] if done else None  # a shorter run: its last step
     spread = None
     if a["full"]["final_eval_loss"] is not None and a["full_seed1"]["final_eval_loss"] is not None:
         spread = abs(a["full"]["final_eval_loss"] - a["full_seed1"]["final_eval_loss"])
@@ -408,7 +414,7 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     # plots: training losses as a moving mean of about a fiftieth of the run
-    smooth_a = max(1, max((len(c) for c in curves.values()), default=0) // 50)
+    smooth_a = max(1, longest_a // 50)
     smooth_b = max(1, max((len(c) for c in b_curves.values()), default=0) // 50)
     write_curves({label(n, f"a_{n}"): [(r["tokens_seen"], r["loss"]) for r in c] for n, c in curves.items()},
                  out / "loss_tokens.png", "tokens", "training loss", "from scratch: loss at equal tokens", smooth=smooth_a)

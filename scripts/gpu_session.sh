@@ -48,9 +48,11 @@ for stage in $stages; do
       timeout "${PLANCHECK_TIMEOUT:-560}" python3 -m msa_train.bench plan-check --out "$OUT/plan_check" 2>&1 | tail -20 \
         | tee "$OUT/plan_check.log" ;;
     lora)   # LoRA (r=16) fine-tuning throughput and peak memory, Llama3-8B at full depth on one GPU, full vs fmsa
+            # (LORA_OPTS: more overrides, e.g. parallel.tile_tokens=32768 at 128K; LORA_TAG names the output)
       timeout "${LORA_TIMEOUT:-420}" python3 -m msa_train.bench --recipe llama3_8b_64k --attention "${LORA_ATTN:-full,fmsa}" \
         --seq-lens "${LORA_LENS:-65536}" --steps 3 --warmup 1 --timeout "${LORA_POINT_TIMEOUT:-200}" \
-        --out "$OUT/lora_llama3_8b" -- model.lora.r=16 model.lora.alpha=32 2>&1 | tail -15 | tee "$OUT/lora.log" ;;
+        --out "$OUT/lora_llama3_8b${LORA_TAG:-}" -- model.lora.r=16 model.lora.alpha=32 ${LORA_OPTS:-} 2>&1 | tail -15 \
+        | tee "$OUT/lora${LORA_TAG:-}.log" ;;
     grpo)   # GRPO (msa_train/grpo.py) on Llama3-8B at full depth with LoRA (r=16), GRPO_LEN-token pass-key prompts,
             # 8 completions each, full vs fmsa: generation tokens/s, step time and reward per step (random
             # weights: the reward stays near 0, the timings are what this measures). GRPO_OPTS: more overrides,

@@ -33,6 +33,7 @@ GRPO_SETTINGS = ("grpo_group", "grpo_beta", "grpo_temperature", "grpo_max_new_to
 LOSS_IMPLS = ("fused", "recompute")  # msa_train/loss.py
 NONFINITE_POLICIES = ("stop", "skip")
 NSA_INITS = ("default", "distill")      # msa_train/models/distill.py
+NSA_PHIS = ("mlp", "mean")              # msa_train/models/__init__.py: freeze_mean_phi
 LORA_NSA = ("train", "lora", "freeze")  # msa_train/models/lora.py
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -128,6 +129,10 @@ class ModelConfig:
     # NSA's parameters at the start: "default" (phi = mean pooling, gates 1/3) or "distill" (then fitted
     # to the dense attention output for nsa_distill_steps AdamW steps at nsa_distill_lr; models/distill.py)
     nsa_init: str = "default"
+    # NSA's block compression phi: "mlp" (the paper's learned MLP with a mean-pooling skip path) or
+    # "mean" (plain mean pooling of the block's keys / values: phi's parameters zero and frozen, so NSA
+    # adds only its gates' parameters; the quality study's ablation of phi's parameters)
+    nsa_phi: str = "mlp"
     nsa_distill_steps: int = 50
     nsa_distill_lr: float = 1.0e-3
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -135,6 +140,10 @@ class ModelConfig:
     def __post_init__(self):
         _choice("model.model_type", self.model_type, MODEL_TYPES)
         _choice("model.nsa_init", self.nsa_init, NSA_INITS)
+        _choice("model.nsa_phi", self.nsa_phi, NSA_PHIS)
+        if self.nsa_phi == "mean" and self.nsa_init == "distill":
+            raise ValueError("model.nsa_phi=mean freezes phi at mean pooling, model.nsa_init=distill fits it: "
+                             "choose one")
         _at_least("model.nsa_distill_steps", self.nsa_distill_steps, 1, "an integer >= 1")
         if not self.nsa_distill_lr > 0:
             raise ValueError(f"model.nsa_distill_lr={self.nsa_distill_lr!r} is not allowed; expected a positive float")
@@ -419,6 +428,11 @@ class RootConfig:
                                                  or self.parallel.sp_degree > 1):
             raise ValueError("model.nsa_init=distill fits NSA's parameters on one process's whole model: it needs a "
                              "sparse attention (nsa, fmsa, auto), parallel.zero_stage < 3 and parallel.sp_degree=1")
+        if self.model.nsa_phi == "mean" and (not self.attention.is_sparse or self.parallel.zero_stage == 3):
+            raise ValueError("model.nsa_phi=mean sets NSA's compression to mean pooling: it needs a sparse attention "
+                             f"(nsa, fmsa, auto; got attention={self.attention.name}) and parallel.zero_stage < 3 "
+                             f"(got {self.parallel.zero_stage}: phi's parameters are zeroed whole, not as ZeRO-3 "
+                             "partitions)")
         if self.attention.is_sparse and self.train.seq_len < self.attention.slc_block:
             raise ValueError(f"train.seq_len={self.train.seq_len} must be >= attention.slc_block="
                              f"{self.attention.slc_block}")

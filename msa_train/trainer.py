@@ -370,6 +370,15 @@ class Trainer:
                 lc = cfg.model.lora
                 log.info("LoRA r=%d alpha=%g on %s (NSA's parameters: %s): %s of %s parameters train", lc.r, lc.alpha,
                          ",".join(lc.target_modules), lc.nsa, format_count(self.n_trainable), format_count(total))
+        if cfg.model.nsa_phi == "mean":  # after LoRA, which sets which of NSA's parameters train
+            from msa_train.models import freeze_mean_phi
+
+            frozen = freeze_mean_phi(self.model)
+            if cfg.model.lora.enabled and cfg.model.lora.nsa != "freeze":
+                self.n_trainable -= frozen
+            if self.dist.is_main:
+                log.info("nsa_phi=mean: NSA's compression is mean pooling, %s of phi's parameters frozen at 0",
+                         format_count(frozen))
         if len(self.tokenizer) > self.model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
                              f"{self.model.config.vocab_size}: set model.hf_config.vocab_size >= {len(self.tokenizer)}")

@@ -326,9 +326,39 @@ def _load_extra_weights(model: nn.Module, path: str) -> None:
                          f"e.g. {missing[0]}")
 
 
+def phi_parameters(model: nn.Module):
+    """NSA's block-compression parameters (``self_attn.nsa.compress_k`` / ``compress_v``: weight, pos, proj)."""
+    from flash_msa import NativeSparseAttention
+
+    for module in model.modules():
+        if isinstance(module, NativeSparseAttention):
+            for compression in (module.compress_k, module.compress_v):
+                yield from compression.parameters()
+
+
+def freeze_mean_phi(model: nn.Module) -> int:
+    """``model.nsa_phi=mean``: every NSA layer's phi made plain mean pooling of the block and frozen.
+
+    With phi's weight, position encoding and output projection all 0, the compressed key (value) of a
+    block is exactly the mean of its keys (values) (flash_msa/compression/naive.py has the formula),
+    and nothing of phi trains, so NSA adds only its gates' parameters to the dense model: the
+    ablation that separates phi's parameters from the sparse attention. The zeros are in the model's
+    weights, so checkpoints, resume and the HF export keep them (a model exported so and trained on
+    with ``nsa_phi=mlp`` keeps a dead phi: with W and P zero neither gets a gradient). Returns the
+    number of parameters frozen."""
+    frozen = 0
+    with torch.no_grad():
+        for p in phi_parameters(model):
+            p.zero_()
+            p.requires_grad_(False)
+            frozen += int(getattr(p, "ds_numel", p.numel()))
+    return frozen
+
+
 def save_pretrained(model: nn.Module, path: str, state_dict: Optional[dict] = None) -> None:
     """Write an HF dir (config.json with ``msa_attention`` + safetensors) that :func:`load_pretrained` reloads."""
     model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
 
 
-__all__ = ["REGISTRY", "build_model", "count_parameters", "family_of", "load_pretrained", "patch_model", "save_pretrained"]
+__all__ = ["REGISTRY", "build_model", "count_parameters", "family_of", "freeze_mean_phi", "load_pretrained", "patch_model",
+           "phi_parameters", "save_pretrained"]

@@ -16,7 +16,8 @@ What is counted, per GPU (bytes; ``N`` = ZeRO ranks = the world size, ``P`` = pa
   the gradients go as they are reduced (no device gradient partition),
   ``offload_params`` the parameter shard. fp32 training (the CPU default): 4P parameters, 4P
   gradients, 8P moments, no master copy. With LoRA (``model.lora.r > 0``) gradients and optimizer
-  state are those of the trainable parameters only: the adapters, and NSA's own by ``model.lora.nsa``.
+  state are those of the trainable parameters only: the adapters, and NSA's own by ``model.lora.nsa``
+  (``model.nsa_phi=mean`` leaves phi's out too).
 * **Activations** (per-token constants of ``parallel/memory.py``, counted with saved-tensor hooks
   on a Llama-3-8B-shape layer and written here as functions of the shape): what every layer keeps
   (its input only under activation checkpointing, on the host with ``offload_activations``) plus
@@ -75,7 +76,8 @@ class ModelShape:
     head_dim: int
     vocab: int
     qk_norm: bool = False  # Qwen3: RMSNorms over every q and k head
-    trainable: Optional[int] = None  # LoRA: the parameters that train (gradients, optimizer state); None: all
+    trainable: Optional[int] = None  # LoRA, nsa_phi=mean: the parameters that train (gradients, optimizer state); None: all
+    head_trains: bool = True  # the LM head has a weight gradient (LoRA freezes it)
 
     @classmethod
     def from_config(cls, model_cfg, attention_cfg) -> "ModelShape":
@@ -92,9 +94,14 @@ class ModelShape:
 
             trainable, adapters = count_trainable(model, model_cfg.lora)
             params += adapters  # new parameters beside the frozen ones
+        if model_cfg.nsa_phi == "mean" and not (model_cfg.lora.enabled and model_cfg.lora.nsa == "freeze"):
+            from msa_train.models import phi_parameters
+
+            trainable = (params if trainable is None else trainable) - sum(p.numel() for p in phi_parameters(model))
         return cls(params=params, hidden=config.hidden_size, intermediate=config.intermediate_size,
                    layers=config.num_hidden_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   vocab=config.vocab_size, qk_norm=config.model_type == "qwen3", trainable=trainable)
+                   vocab=config.vocab_size, qk_norm=config.model_type == "qwen3", trainable=trainable,
+                   head_trains=not model_cfg.lora.enabled)
 
 
 @dataclass(frozen=True)
@@ -194,7 +201,7 @@ def rank_heads(heads: int, kv_heads: int, sp_degree: int) -> Tuple[int, int]:
 def model_state_bytes(params: int, opt: Options, world_size: int, bf16: bool = True,
                       trainable: Optional[int] = None) -> Dict[str, float]:
     """Bytes per rank of parameters, gradients, optimizer state and the step's fp32 gradients, and
-    of what is offloaded to the host (``host_*``). ``trainable`` (LoRA): the parameters that have
+    of what is offloaded to the host (``host_*``). ``trainable`` (LoRA, nsa_phi=mean): the parameters that have
     gradients and optimizer state; None: all ``params``."""
     n = max(1, world_size)
     t = params if trainable is None else trainable
@@ -323,7 +330,7 @@ def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[st
     # (predict); what the loss holds into the layers' backward is ``loss_held``.
     out["loss"] = 4 * chunk * shape.vocab + a * H * t_local
     held = 0.0
-    if work.loss_impl == "fused" and shape.trainable is None:  # (LoRA freezes the head: no weight gradient)
+    if work.loss_impl == "fused" and shape.head_trains:  # (LoRA freezes the head: no weight gradient)
         held = a * shape.vocab * H  # the head's weight gradient, held from the forward to the backward
     out["loss_held"] = held
     return out

@@ -36,6 +36,10 @@ def main(argv=None) -> int:
             s.add_argument("--mix-fraction", type=float, default=None,
                            help="synthetic retrieval tokens as a fraction of the corpus's training tokens (default "
                                 "0.3, 23%% of the mixed data); read when the mix is first written, so give it to the first invocation")
+        if name in ("study-a", "all"):
+            s.add_argument("--mean-phi-arm", action="store_true",
+                           help="also train NSA with phi plain mean pooling (model.nsa_phi=mean), last: the "
+                                "ablation of phi's parameters (held-out loss only)")
         s.add_argument("--steps", type=int, default=None,
                        help="study A's optimizer steps (default: the recipe's); study B runs a tenth of them. "
                             "Give the same value to every invocation of one study")
@@ -59,6 +63,8 @@ def main(argv=None) -> int:
         if not 0 < args.mix_fraction < 1:
             raise SystemExit(f"--mix-fraction {args.mix_fraction}: expected a fraction in (0, 1)")
         plan = dataclasses.replace(plan, mix_fraction=args.mix_fraction)
+    if getattr(args, "mean_phi_arm", False):
+        plan = dataclasses.replace(plan, mean_phi_arm=True)
     if args.command == "report":
         study.report(work, out, plan)
         return 0

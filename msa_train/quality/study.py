@@ -42,6 +42,10 @@ class Plan:
     mix_max_queries: int = 32           # ... and at most this many
     haystack_tokens: int = 2_000_000    # training text the synthetic documents take their haystacks from
     seed_spread_retrieval: bool = False  # the second dense seed: held-out loss only
+    # an NSA arm with phi plain mean pooling (model.nsa_phi=mean): NSA's gates are then its only
+    # parameters beyond dense's, which separates phi's parameters from the sparse attention (held-out
+    # loss only; run last, after the second dense seed)
+    mean_phi_arm: bool = False
     conversion_steps: int = RECIPE_STEPS // 10  # study B: 10% of study A's tokens
     conversion_lr: float = 3e-4
     conversion_warmup: int = 2
@@ -84,9 +88,12 @@ def _jobs_a(plan: Plan, work: Path) -> Dict[str, List[str]]:
               f"data.eval_path={corpus / 'heldout.jsonl'}", f"data.tokenizer={corpus / 'tokenizer'}",
               f"data.cache_dir={work / 'cache'}", "train.resume=auto", "train.progress=false"]
     seed1 = [] if plan.seed_spread_retrieval else ["eval.retrieval=[]"]
-    return {"a_full": [*common, "attention=full", "train.seed=0"],
+    jobs = {"a_full": [*common, "attention=full", "train.seed=0"],
             "a_fmsa": [*common, "attention=fmsa", "train.seed=0"],
             "a_full_seed1": [*common, "attention=full", "train.seed=1", *seed1]}
+    if plan.mean_phi_arm:
+        jobs["a_fmsa_mean_phi"] = [*common, "attention=fmsa", "train.seed=0", "model.nsa_phi=mean", "eval.retrieval=[]"]
+    return jobs
 
 
 def _jobs_b(plan: Plan, work: Path) -> Dict[str, List[str]]:
@@ -359,8 +366,9 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
     runs = work / "runs"
     out.mkdir(parents=True, exist_ok=True)
     state = _read_state(work)
-    a = {name: _run_entry(runs / f"a_{name}") for name in ("full", "fmsa", "full_seed1")}
-    curves = {name: _train_curve(runs / f"a_{name}") for name in ("full", "fmsa", "full_seed1")}
+    arms = ["full", "fmsa", "full_seed1"] + (["fmsa_mean_phi"] if (runs / "a_fmsa_mean_phi").is_dir() else [])
+    a = {name: _run_entry(runs / f"a_{name}") for name in arms}
+    curves = {name: _train_curve(runs / f"a_{name}") for name in arms}
 
     def label(name: str, run: str) -> str:  # a run the budget stopped says so in the plots' legends
         st, curve = state.get(run, {}), curves[name]
@@ -384,9 +392,12 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
     spread = None
     if a["full"]["final_eval_loss"] is not None and a["full_seed1"]["final_eval_loss"] is not None:
         spread = abs(a["full"]["final_eval_loss"] - a["full_seed1"]["final_eval_loss"])
-    gap = None
-    if a["full"]["final_eval_loss"] and a["fmsa"]["final_eval_loss"] is not None:
-        gap = a["fmsa"]["final_eval_loss"] / a["full"]["final_eval_loss"] - 1
+    def gap_to_full(name: str) -> Optional[float]:
+        if name in a and a["full"]["final_eval_loss"] and a[name]["final_eval_loss"] is not None:
+            return a[name]["final_eval_loss"] / a["full"]["final_eval_loss"] - 1
+        return None
+
+    gap, mean_phi_gap = gap_to_full("fmsa"), gap_to_full("fmsa_mean_phi")
     b_names = {"dense_continued": "b_dense", "nsa_converted": "b_nsa", "nsa_distilled": "b_nsa_distill"}
     b = {key: _run_entry(runs / run) for key, run in b_names.items()}
     b_curves = {key: _train_curve(runs / run) for key, run in b_names.items()}
@@ -409,7 +420,8 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
                                                                          "tokens", "vocab_size", "packages")),
         "mix": _json_or_none(work / "data" / "mix.json"),
         "from_scratch": {**a, "equal_wall_s": equal_wall, "equal_wall_window_steps": wall_window,
-                         "fmsa_vs_full_eval_loss": gap, "dense_seed_spread": spread},
+                         "fmsa_vs_full_eval_loss": gap, "dense_seed_spread": spread,
+                         **({"fmsa_mean_phi_vs_full_eval_loss": mean_phi_gap} if "fmsa_mean_phi" in a else {})},
         "conversion": b,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -94,3 +94,12 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     for png in ("retrieval_from_scratch.png", "retrieval_conversion.png", "loss_tokens.png", "loss_wall.png",
                 "loss_by_position.png", "conversion_loss.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG", png
+    assert "fmsa_mean_phi" not in s["from_scratch"]
+    # the ablation of phi's parameters, on request, after the rest
+    assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--mean-phi-arm"]) == 0
+    assert list(json.loads((work / "state.json").read_text()))[-1] == "a_fmsa_mean_phi"
+    s = json.loads((out / "summary.json").read_text())["from_scratch"]
+    assert s["fmsa_mean_phi"]["done"] and s["fmsa_mean_phi"]["final_eval_loss"] > 0
+    assert s["fmsa_mean_phi_vs_full_eval_loss"] == pytest.approx(
+        s["fmsa_mean_phi"]["final_eval_loss"] / s["full"]["final_eval_loss"] - 1)
+    assert s["fmsa_mean_phi"]["retrieval"] is None  # held-out loss only

@@ -15,6 +15,15 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 
+# pytest-xdist workers share the cores: each worker's torch (and the torchrun processes its tests
+# start, through OMP_NUM_THREADS) gets its share of them rather than one thread per core each, which
+# oversubscribed CI's 2 cores (a GRPO test took 230 s in the suite and 51 s alone)
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1 and not torch.cuda.is_available():
+    _share = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(_share)
+
 import pytest  # noqa: E402
 
 

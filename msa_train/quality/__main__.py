@@ -36,7 +36,6 @@ def main(argv=None) -> int:
             s.add_argument("--mix-fraction", type=float, default=None,
                            help="synthetic retrieval tokens as a fraction of the corpus's training tokens (default "
                                 "0.3, 23%% of the mixed data); read when the mix is first written, so give it to the first invocation")
-        if name in ("study-a", "all"):
             s.add_argument("--mean-phi-arm", action="store_true",
                            help="also train NSA with phi plain mean pooling (model.nsa_phi=mean), last: the "
                                 "ablation of phi's parameters (held-out loss only)")

@@ -288,14 +288,6 @@ def _last_eval(run: Path) -> Optional[Dict[str, Any]]:
     return evals[-1] if evals else None
 
 
-def _smooth(values: Sequence[float], window: int) -> List[float]:
-    out = []
-    for i in range(len(values)):
-        part = values[max(0, i - window + 1): i + 1]
-        out.append(sum(part) / len(part))
-    return out
-
-
 def steps_to_within(curve: Sequence[float], reference: Sequence[float], rel: float = 0.01,
                     window: int = 5) -> Optional[int]:
     """The first step (1-based) from which the smoothed ``curve`` stays within ``rel`` of the smoothed
@@ -303,7 +295,9 @@ def steps_to_within(curve: Sequence[float], reference: Sequence[float], rel: flo
     n = min(len(curve), len(reference))
     if n == 0:
         return None
-    a, b = _smooth(curve[:n], window), _smooth(reference[:n], window)
+    from msa_train.quality.plots import moving_mean
+
+    a, b = moving_mean(curve[:n], window), moving_mean(reference[:n], window)
     ok = [x <= (1 + rel) * y for x, y in zip(a, b)]
     if not ok[-1]:
         return None

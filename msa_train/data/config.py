@@ -31,6 +31,10 @@ class DataConfig:
             recursively for *.jsonl, *.json, *.parquet and *.txt files.
         file_type: overrides the type detected from each file's extension.
         text_field: the document field of pretrain records.
+        segments_field: the alternative field of a pretrain record whose loss covers only part of
+            it: a list of ``{"text": ..., "train": true|false}`` pieces, concatenated into the
+            document, of which only the ``train`` ones are trained (the rest is context), e.g.
+            the answers of synthetic retrieval documents (msa_train/quality/study.py).
         prompt_field / response_field: the fields of prompt/response SFT records
             (and the prompt of preference records).
         messages_field: the field of chat records: a list of {"role", "content"}.
@@ -70,6 +74,7 @@ class DataConfig:
     path: Optional[Any] = None  # str | List[str]; Any keeps Hydra from forcing one of them
     file_type: Optional[str] = None
     text_field: str = "text"
+    segments_field: str = "segments"
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
@@ -141,7 +146,7 @@ class DataConfig:
                              "of an SFT record longer than train.seq_len")
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc={self.num_proc} must be >= 1")
-        for name in ("text_field", "prompt_field", "response_field", "messages_field",
+        for name in ("text_field", "segments_field", "prompt_field", "response_field", "messages_field",
                      "chosen_field", "rejected_field", "answer_field", "completion_field", "label_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"data.{name} must be a non-empty string, got {getattr(self, name)!r}")

@@ -31,6 +31,8 @@ _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet
                ".txt": "txt", ".text": "txt", ".md": "txt"}
 _MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}) \
     if hasattr(datasets, "List") else [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
+_SEGMENTS = datasets.List({"text": datasets.Value("string"), "train": datasets.Value("bool")}) \
+    if hasattr(datasets, "List") else [{"text": datasets.Value("string"), "train": datasets.Value("bool")}]
 
 
 class DataValidationError(ValueError):
@@ -41,7 +43,7 @@ def record_features(fmt: str) -> datasets.Features:
     """The fixed schema of validated records of one format (plus source and error columns)."""
     s = datasets.Value("string")
     cols = {
-        "pretrain": {"text": s},
+        "pretrain": {"text": s, "segments": _SEGMENTS},  # segments: [] unless the record gives its trained parts
         "generated": {"text": s},
         "sft": {"prompt": s, "response": s, "messages": _MESSAGES},
         "preference": {"prompt": s, "chosen": s, "rejected": s},
@@ -187,7 +189,8 @@ def _field_settings(cfg: DataConfig) -> list[str]:
     return {"sft": ["messages_field", "prompt_field", "response_field"],
             "preference": ["prompt_field", "chosen_field", "rejected_field"],
             "prompts": ["prompt_field", "answer_field"],
-            "kto": ["prompt_field", "completion_field", "label_field"]}.get(cfg.format, ["text_field"])
+            "kto": ["prompt_field", "completion_field", "label_field"],
+            "pretrain": ["text_field", "segments_field"]}.get(cfg.format, ["text_field"])
 
 
 def _record_fields(cfg: DataConfig) -> list[str]:
@@ -200,7 +203,7 @@ def _record_fields(cfg: DataConfig) -> list[str]:
         return [cfg.prompt_field, cfg.answer_field]
     if cfg.format == "kto":
         return [cfg.prompt_field, cfg.completion_field, cfg.label_field]
-    return [cfg.text_field]
+    return [cfg.text_field, cfg.segments_field]
 
 
 def _jsonl_records(path: str) -> Iterator[tuple[str, Any, Optional[str]]]:
@@ -310,6 +313,29 @@ def _get_messages(rec: dict, name: str) -> list[dict]:
     return out
 
 
+def _get_segments(rec: dict, name: str) -> list[dict]:
+    """A pretrain record's ``[{"text": str, "train": bool}, ...]``, with some non-empty text to train."""
+    segs = rec[name]
+    if not isinstance(segs, list) or not segs:
+        raise _Bad(f"field {name!r} must be a non-empty list of {{text, train}}, got {_type_name(segs)}")
+    out = []
+    for i, x in enumerate(segs):
+        if not isinstance(x, dict) or set(x) != {"text", "train"}:
+            raise _Bad(f"{name}[{i}] must be an object with exactly 'text' (a string) and 'train' (true or "
+                       f"false), got {sorted(x) if isinstance(x, dict) else _type_name(x)}")
+        if not isinstance(x["text"], str):
+            raise _Bad(f"{name}[{i}].text must be a string, got {_type_name(x['text'])}")
+        if not isinstance(x["train"], bool):
+            raise _Bad(f"{name}[{i}].train must be true or false, got {x['train']!r}")
+        _check_unicode(x["text"], f"{name}[{i}].text")
+        out.append({"text": x["text"], "train": x["train"]})
+    if not "".join(x["text"] for x in out).strip():
+        raise _Bad(f"field {name!r} holds no text")
+    if not any(x["train"] and x["text"].strip() for x in out):
+        raise _Bad(f"field {name!r} has no non-empty segment with train true, so nothing would be trained")
+    return out
+
+
 class _Bad(Exception):
     """A record-level validation failure; its message is the reported reason."""
 
@@ -324,7 +350,13 @@ def validate_record(rec: Any, cfg: DataConfig) -> dict:
         raise _Bad(f"expected a JSON object, got {_type_name(rec)}")
     fmt = cfg.format
     if fmt == "pretrain":
-        return {"text": _get_str(rec, cfg.text_field)}
+        if rec.get(cfg.segments_field) is None:
+            return {"text": _get_str(rec, cfg.text_field), "segments": []}
+        if rec.get(cfg.text_field) is not None:
+            raise _Bad(f"has both {cfg.text_field!r} (a document trained whole) and {cfg.segments_field!r} (a "
+                       "document trained on its segments with train true): give one")
+        segments = _get_segments(rec, cfg.segments_field)
+        return {"text": "".join(x["text"] for x in segments), "segments": segments}
     if fmt == "sft":
         # a null messages field (a table mixing chat and prompt/response rows) is no chat record
         if rec.get(cfg.messages_field) is not None:
@@ -350,7 +382,7 @@ def validate_record(rec: Any, cfg: DataConfig) -> dict:
 
 
 def _empty_record(fmt: str) -> dict:
-    return {"text": ""} if fmt in ("pretrain", "generated") else \
+    return {"text": "", "segments": []} if fmt == "pretrain" else {"text": ""} if fmt == "generated" else \
         {"prompt": "", "response": "", "messages": []} if fmt == "sft" else \
         {"prompt": "", "answer": ""} if fmt == "prompts" else \
         {"prompt": "", "completion": "", "label": False} if fmt == "kto" else \
@@ -476,7 +508,7 @@ def column(ds: datasets.Dataset, name: str, numpy: bool = False) -> Any:
 
 def _validation_fields(cfg: DataConfig) -> dict:
     """The config fields that decide how records are read: the cache key of ``load_records``."""
-    keys = ("format", "path", "file_type", "text_field", "prompt_field", "response_field", "messages_field",
+    keys = ("format", "path", "file_type", "text_field", "segments_field", "prompt_field", "response_field", "messages_field",
             "chosen_field", "rejected_field", "answer_field", "completion_field", "label_field", "text_sample_by")
     return {k: getattr(cfg, k) for k in keys}
 

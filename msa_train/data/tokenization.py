@@ -3,7 +3,7 @@
 Label convention (HF): ``labels`` are aligned with ``input_ids`` (not shifted); the
 model's loss shifts them, so logits at t are scored against ``labels[t + 1]``.
 ``-100`` masks a token out of the loss: prompt tokens in SFT, non-assistant chat turns,
-BOS. Packing masks more (see ``packing.py``).
+pretraining segments marked ``train: false``, BOS. Packing masks more (see ``packing.py``).
 
 Every example ends with EOS (trained: the model must learn where a document ends).
 """
@@ -85,10 +85,31 @@ def _bos(tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> list[int]:
 
 
 def _tokenize_pretrain(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> dict:
-    bos, eos = _bos(tokenizer, add_bos), [tokenizer.eos_token_id]
-    ids = [bos + t + eos for t in _encode(tokenizer, batch["text"])]
-    labels = [[IGNORE_INDEX] * len(bos) + x[len(bos):] for x in ids]
-    return {"input_ids": ids, "labels": labels, "length": [len(x) for x in ids]}
+    """Documents: BOS + text + EOS, all trained but BOS. A record with ``segments`` (sources.py:
+    ``[{"text", "train"}]``) is its segments' texts, each encoded on its own (as SFT's prompt and
+    response are), trained only where ``train`` is true; its EOS is trained when its last segment is."""
+    bos, eos = _bos(tokenizer, add_bos), tokenizer.eos_token_id
+    segments = batch.get("segments") or [[] for _ in batch["text"]]
+    whole = [i for i, segs in enumerate(segments) if not segs]
+    parts = iter(_encode(tokenizer, [x["text"] for segs in segments for x in segs]))
+    texts = iter(_encode(tokenizer, [batch["text"][i] for i in whole]))
+    out_ids, out_labels = [], []
+    for segs in segments:
+        ids, labels = list(bos), [IGNORE_INDEX] * len(bos)
+        if not segs:
+            text = next(texts)
+            ids += text + [eos]
+            labels += text + [eos]
+        else:
+            for x in segs:
+                part = next(parts)
+                ids += part
+                labels += part if x["train"] else [IGNORE_INDEX] * len(part)
+            ids.append(eos)
+            labels.append(eos if segs[-1]["train"] else IGNORE_INDEX)
+        out_ids.append(ids)
+        out_labels.append(labels)
+    return {"input_ids": out_ids, "labels": out_labels, "length": [len(x) for x in out_ids]}
 
 
 def _tokenize_sft(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bos: bool) -> dict:

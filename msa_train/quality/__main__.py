@@ -35,7 +35,10 @@ def main(argv=None) -> int:
         if name in ("study-a", "all"):
             s.add_argument("--mix-fraction", type=float, default=None,
                            help="synthetic retrieval tokens as a fraction of the corpus's training tokens (default "
-                                "0.3, 23%% of the mixed data); read when the mix is first written, so give it to the first invocation")
+                                "0.4, 29%% of the mixed data); read when the mix is first written, so give it to the first invocation")
+            s.add_argument("--mix-targets", choices=["answers", "all"], default=None,
+                           help="what of a synthetic document trains: its answers only (default; the rest is "
+                                "context) or all its tokens; read when the mix is first written")
             s.add_argument("--mean-phi-arm", action="store_true",
                            help="also train NSA with phi plain mean pooling (model.nsa_phi=mean), last: the "
                                 "ablation of phi's parameters (held-out loss only)")
@@ -62,6 +65,8 @@ def main(argv=None) -> int:
         if not 0 < args.mix_fraction < 1:
             raise SystemExit(f"--mix-fraction {args.mix_fraction}: expected a fraction in (0, 1)")
         plan = dataclasses.replace(plan, mix_fraction=args.mix_fraction)
+    if getattr(args, "mix_targets", None):
+        plan = dataclasses.replace(plan, mix_targets=args.mix_targets)
     if getattr(args, "mean_phi_arm", False):
         plan = dataclasses.replace(plan, mean_phi_arm=True)
     if args.command == "report":

@@ -24,23 +24,29 @@ from typing import Any, Dict, List, Optional, Sequence
 log = logging.getLogger(__name__)
 
 TASKS_ALL = ["passkey", "single_needle", "multi_key", "multi_value", "variable_tracking"]
-RECIPE_STEPS = 1800  # recipes/quality_170m.yaml's train.steps (a test keeps the two equal)
+RECIPE_STEPS = 1600  # recipes/quality_170m.yaml's train.steps (a test keeps the two equal)
 
 
 @dataclass
 class Plan:
     """Sizes of the study; ``gpu()`` is the H200 study, ``tiny()`` the CPU test of the whole pipeline."""
     recipe_overrides: List[str]
-    mix_fraction: float = 0.3           # synthetic retrieval tokens, as a fraction of the corpus's training tokens
-                                        # (0.3: 23% of the mixed data; 0.03 and 0.1 left both models at 0%
-                                        # retrieval in the first two runs)
+    mix_fraction: float = 0.4           # synthetic retrieval tokens, as a fraction of the corpus's training tokens
+                                        # (0.4: 29% of the mixed data; 0.03, 0.1 and 0.3 left both models at 0%
+                                        # retrieval in the first three runs, which trained every token of them)
     mix_tasks: List[str] = field(default_factory=lambda: list(TASKS_ALL))
     # the longest leaves room below train.seq_len (16384) for BOS/EOS and re-tokenising the text, so no
     # synthetic document is split from its questions by packing
     mix_lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16000])
-    mix_tokens_per_query: int = 256     # a synthetic document asks one question per this many tokens (0: one) ...
-    mix_max_queries: int = 32           # ... and at most this many
+    mix_tokens_per_query: int = 192     # a synthetic document asks one question per this many tokens (0: one) ...
+    mix_max_queries: int = 48           # ... and at most this many: 37K questions at the 0.4 mix (the third run:
+                                        # 256, 32 and 0.3, 20K; the retrieval probe learnt from 28-40K answer-only
+                                        # examples, not from 24K). A question's needles and text take 86 tokens
+                                        # on average (150 at most) of the study's 16K BPE: 128 would not fit
     haystack_tokens: int = 2_000_000    # training text the synthetic documents take their haystacks from
+    # what of a synthetic document trains: "answers" (the rest is context; tasks.training_records says
+    # why) or "all" its tokens (the first three study runs, which learnt no retrieval)
+    mix_targets: str = "answers"
     seed_spread_retrieval: bool = False  # the second dense seed: held-out loss only
     # an NSA arm with phi plain mean pooling (model.nsa_phi=mean): NSA's gates are then its only
     # parameters beyond dense's, which separates phi's parameters from the sparse attention (held-out
@@ -121,7 +127,7 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
     """``<work>/data/train_mix.jsonl``: the corpus's training documents plus synthetic retrieval
     documents (``plan.mix_fraction`` of the training tokens), from the same task generators as the
     evaluation but a seed space of their own and a haystack of training text. Written once."""
-    from msa_train.quality.tasks import Haystack, questions_per_document, training_texts
+    from msa_train.quality.tasks import Haystack, questions_per_document, training_records
 
     out = work / "data" / "train_mix.jsonl"
     if out.is_file():
@@ -138,17 +144,19 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
             break
     mean_len = sum(plan.mix_lengths) / len(plan.mix_lengths)
     count = max(1, round(plan.mix_fraction * manifest["tokens"]["train"] / mean_len))
-    synthetic = training_texts(plan.mix_tasks, tok, Haystack(hay, tok), plan.mix_lengths, count, seed="study",
-                               tokens_per_query=plan.mix_tokens_per_query, max_queries=plan.mix_max_queries)
+    synthetic = training_records(plan.mix_tasks, tok, Haystack(hay, tok), plan.mix_lengths, count, seed="study",
+                                 tokens_per_query=plan.mix_tokens_per_query, max_queries=plan.mix_max_queries,
+                                 answers_only=plan.mix_targets == "answers")
     queries = [questions_per_document(n, plan.mix_tokens_per_query, plan.mix_max_queries) for n in plan.mix_lengths]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for text in docs + synthetic:
-            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+        for record in [{"text": text} for text in docs] + synthetic:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
     os.replace(tmp, out)
     (work / "data" / "mix.json").write_text(json.dumps({
         "corpus_documents": len(docs), "synthetic_documents": len(synthetic), "mix_fraction": plan.mix_fraction,
+        "synthetic_targets": plan.mix_targets,
         "synthetic_tokens_approx": round(count * mean_len), "tasks": plan.mix_tasks, "lengths": plan.mix_lengths,
         "questions_per_document": dict(zip(map(str, plan.mix_lengths), queries)),
         "questions_approx": round(count * sum(queries) / len(queries)),

@@ -211,8 +211,9 @@ def test_a_parquet_file_without_the_text_column_names_its_columns(tmp_path, tok)
 
     path = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"body": ["one document", "another"], "id": [1, 2]}), path)
-    with pytest.raises(DataValidationError, match=r"no column named as data.text_field='text'; the file's columns "
-                                                  r"are: body, id \(set data.text_field to one of them\)"):
+    with pytest.raises(DataValidationError, match=r"no column named as data.text_field='text' / data.segments_field="
+                                                  r"'segments'; the file's columns are: body, id \(set "
+                                                  r"data.text_field / data.segments_field to one of them\)"):
         build_packed_dataset(DataConfig(format="pretrain", path=str(path)), tok, 64)
     assert len(build_packed_dataset(DataConfig(format="pretrain", path=str(path), text_field="body"), tok, 64)) == 1
 

@@ -59,7 +59,12 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         m.setattr(Trainer, "train_step", slow_step)
         assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--budget-s", "1",
                      "--mix-fraction", "0.08"]) == 3  # a piece
-    assert json.loads((work / "data" / "mix.json").read_text())["mix_fraction"] == 0.08
+    mix = json.loads((work / "data" / "mix.json").read_text())
+    assert mix["mix_fraction"] == 0.08 and mix["synthetic_targets"] == "answers"
+    records = [json.loads(line) for line in (work / "data" / "train_mix.jsonl").read_text().splitlines()]
+    synthetic = [r for r in records if "segments" in r]  # the corpus's documents train whole, the mix its answers
+    assert len(synthetic) == mix["synthetic_documents"] and len(records) == len(synthetic) + mix["corpus_documents"]
+    assert all([x["train"] for x in r["segments"]] == [False, True] for r in synthetic)  # one question each (tiny)
     with pytest.raises(SystemExit, match="--mix-fraction 2"):
         main(["all", "--work", str(work), "--tiny", "--mix-fraction", "2"])
     state = json.loads((work / "state.json").read_text())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from msa_train.quality.tasks import (TASKS, Haystack, depth_grid, make_probe, pack_probes, probe_grid,
-                                     retrieval_table, training_document, training_texts)
+                                     retrieval_table, training_document, training_records)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,8 @@ def test_grid_is_seeded_per_cell_and_too_short_is_refused(hay):
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a[18:], b))  # same cell, same probes
     c = probe_grid(["single_needle"], tok, haystack, [800], depth_grid(3), 2, seed="train")
     assert not torch.equal(c[0]["input_ids"], b[0]["input_ids"])
-    texts = training_texts(["passkey"], tok, haystack, [600], 3, seed="study")
-    assert len(texts) == 3 and all("The pass key is" in t for t in texts)
+    texts = training_records(["passkey"], tok, haystack, [600], 3, seed="study", answers_only=False)
+    assert len(texts) == 3 and all("The pass key is" in t["text"] for t in texts)
     with pytest.raises(ValueError, match="fixed text takes"):
         make_probe("multi_key", tok, haystack, 64, 0.5, random.Random(0))
     with pytest.raises(ValueError, match="unknown task"):
@@ -107,8 +107,9 @@ def test_training_document_asks_many_questions_each_with_one_answer(hay):
         assert labelled == want and body.count("The pass key is") <= 1
     starts = {tuple(haystack.window(random.Random(i), 8, anywhere=True)) for i in range(40)}
     assert len(starts) > len(haystack.starts)  # training haystacks start anywhere, not at a few document starts
-    text = training_texts(list(TASKS), tok, haystack, [2400], 2, seed="study", tokens_per_query=800, max_queries=3)
-    assert all(t.count("?") >= 3 for t in text)
+    text = training_records(list(TASKS), tok, haystack, [2400], 2, seed="study", tokens_per_query=800, max_queries=3,
+                            answers_only=False)
+    assert all(t["text"].count("?") >= 3 for t in text)
     with pytest.raises(ValueError, match="fixed text takes"):
         training_document(list(TASKS), tok, haystack, 300, 8, rng)
     with pytest.raises(ValueError, match="at most once"):
@@ -127,3 +128,34 @@ def test_pack_probes_and_table(hay):
     assert first["position_ids"][300].item() == 0 and (first["labels"][600:] == -100).all()
     table = retrieval_table(probes, [True, False, True, True])
     assert table == {"passkey": {"300": {"0": 1.0, "1": 0.0}, "500": {"0": 1.0, "1": 1.0}}}
+
+
+def test_answers_only_training_records_train_exactly_the_answers(hay, tmp_path):
+    """Synthetic documents as segment records: the data pipeline trains their answers (and the EOS
+    after the last) and nothing else, and their text is that of the same documents trained whole."""
+    from msa_train.data import IGNORE_INDEX, DataConfig, build_packed_dataset
+
+    tok, haystack = hay
+    kw = dict(tokens_per_query=400, max_queries=3, seed="study")
+    records = training_records(list(TASKS), tok, haystack, [1200], 2, **kw)
+    whole = training_records(list(TASKS), tok, haystack, [1200], 2, answers_only=False, **kw)
+    rng = random.Random("train-mix/study")
+    for rec, plain in zip(records, whole):
+        rng.choice([1200])
+        doc = training_document(list(TASKS), tok, haystack, 1200, 3, rng)
+        segs = rec["segments"]
+        assert "".join(x["text"] for x in segs) == plain["text"]
+        assert [x["text"] for x in segs if x["train"]] == [tok.decode(a) for a in doc["answers"]]
+        assert segs[-1]["train"] and not segs[0]["train"]
+    path = tmp_path / "mix.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ds = build_packed_dataset(DataConfig(format="pretrain", path=str(path)), tok, 1400)
+    got = []
+    for i in range(len(ds)):  # one document a sequence, in packing's order
+        labels, ids = ds[i]["labels"], ds[i]["input_ids"]
+        trained = labels != IGNORE_INDEX
+        assert torch.equal(labels[trained], ids[trained])
+        assert trained.sum() < 0.1 * (ids != tok.pad_token_id).sum()
+        got.append(tok.decode(ids[trained]))
+    assert sorted(got) == sorted("".join(x["text"] for x in r["segments"] if x["train"]) + tok.eos_token
+                                 for r in records)

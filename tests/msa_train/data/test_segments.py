@@ -1,0 +1,76 @@
+"""Pretraining records that train only some of their text: ``{"segments": [{"text", "train"}]}``."""
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from msa_train.data import IGNORE_INDEX, DataConfig, DataValidationError, build_packed_dataset
+
+
+def _docs(ds, tok):
+    """(ids, labels) of every document of every packed sequence (padding left out)."""
+    out = []
+    for i in range(len(ds)):
+        item = ds[i]
+        cu = item["cu_seqlens"].tolist()
+        for s, e in zip(cu[:-1], cu[1:]):
+            if item["input_ids"][s] == tok.bos_token_id:
+                out.append((item["input_ids"][s:e].tolist(), item["labels"][s:e].tolist()))
+    return sorted(out)
+
+
+def _trained(tok, ids, labels):
+    """The trained text, a masked run between two trained ones written '|'."""
+    runs, cur = [], []
+    for x, y in zip(ids, labels):
+        if y == IGNORE_INDEX:
+            if cur:
+                runs.append(tok.decode(cur))
+            cur = []
+        else:
+            assert y == x  # labels are the tokens themselves, shifted inside the loss
+            cur.append(x)
+    return "|".join(runs + ([tok.decode(cur)] if cur else []))
+
+
+def test_only_the_train_segments_are_trained(tok, write_jsonl):
+    path = write_jsonl("d.jsonl", [
+        {"segments": [{"text": "The key is 42. ", "train": False}, {"text": "Key?", "train": False},
+                      {"text": " 42", "train": True}, {"text": " Again?", "train": False}, {"text": " 42", "train": True}]},
+        {"segments": [{"text": "Q", "train": False}, {"text": "A", "train": True}, {"text": " tail", "train": False}]},
+        {"text": "plain"}])
+    docs = _docs(build_packed_dataset(DataConfig(format="pretrain", path=path), tok, 128), tok)
+    by_text = {tok.decode(ids[1:]): (ids, labels) for ids, labels in docs}
+    ids, labels = by_text["The key is 42. Key? 42 Again? 42" + tok.eos_token]
+    assert labels[0] == IGNORE_INDEX and _trained(tok, ids, labels) == " 42| 42" + tok.eos_token  # EOS after a trained end
+    ids, labels = by_text["QA tail" + tok.eos_token]
+    assert _trained(tok, ids, labels) == "A"  # the last segment is context: its EOS is not trained
+    ids, labels = by_text["plain" + tok.eos_token]
+    assert _trained(tok, ids, labels) == "plain" + tok.eos_token  # a text record trains whole, as before
+
+
+def test_segments_field_is_configurable_and_read_from_parquet(tok, tmp_path):
+    rows = [{"parts": [{"text": "ctx ", "train": False}, {"text": "ans", "train": True}], "doc": None},
+            {"parts": None, "doc": "x y"}]  # a table of both kinds: the other field null
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    cfg = DataConfig(format="pretrain", path=str(tmp_path / "a.parquet"), text_field="doc", segments_field="parts")
+    docs = _docs(build_packed_dataset(cfg, tok, 64), tok)
+    assert sorted(_trained(tok, *d) for d in docs) == sorted(["ans" + tok.eos_token, "x y" + tok.eos_token])
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({"text": "t", "segments": [{"text": "a", "train": True}]}, "has both 'text' (a document trained whole) and 'segments'"),
+    ({"segments": []}, "field 'segments' must be a non-empty list of {text, train}, got list"),
+    ({"segments": "abc"}, "field 'segments' must be a non-empty list of {text, train}, got str"),
+    ({"segments": [{"text": "a"}]}, "segments[0] must be an object with exactly 'text' (a string) and 'train'"),
+    ({"segments": [{"text": "a", "train": True, "w": 2}]}, "segments[0] must be an object with exactly"),
+    ({"segments": [{"text": 3, "train": True}]}, "segments[0].text must be a string, got int"),
+    ({"segments": [{"text": "a", "train": 1}]}, "segments[0].train must be true or false, got 1"),
+    ({"segments": [{"text": "a", "train": False}, {"text": " ", "train": True}]},
+     "field 'segments' has no non-empty segment with train true"),
+    ({"segments": [{"text": "", "train": True}]}, "field 'segments' holds no text"),
+], ids=["both", "empty", "string", "no-train", "extra-key", "text-int", "train-int", "nothing-trained", "no-text"])
+def test_malformed_segment_records_are_named(record, reason, tok, write_jsonl):
+    path = write_jsonl("d.jsonl", [{"text": "good"}, record])
+    with pytest.raises(DataValidationError) as e:
+        build_packed_dataset(DataConfig(format="pretrain", path=path), tok, 64)
+    assert f"d.jsonl:2: {reason}" in str(e.value)

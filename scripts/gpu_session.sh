@@ -121,16 +121,20 @@ for stage in $stages; do
         --skip-bwd-over 524288 --no-fla --warmup 2 --rep 10 2>&1 | tail -8 | tee -a "$OUT/selected.log" ;;
     quality)  # the quality study (docs/quality.md) as a background job that outlives this call (the machine
               # keeps its disk while warm): the first call builds the corpus and starts `python -m
-              # msa_train.quality all` (QUALITY_BUDGET s, QUALITY_STEPS steps, QUALITY_MIX, QUALITY_ARGS: more
-              # arguments, e.g. --mean-phi-arm); every call then waits up to
-              # QUALITY_WAIT s and packs what exists (summary, plots, each run's metrics, the log) into $OUT/quality.tgz
+              # msa_train.quality all` (QUALITY_BUDGET s, QUALITY_STEPS steps, QUALITY_MIX, QUALITY_ARGS: its
+              # other arguments, by default --mean-phi-arm); a call after the job stopped at its budget (exit 3)
+              # starts it again for another QUALITY_BUDGET s, from its checkpoints; every call then waits up to
+              # QUALITY_WAIT s and packs what exists (summary, plots, each run's metrics, the logs) into $OUT/quality.tgz
       W=/tmp/quality; mkdir -p "$W"
       export TOKENIZERS_PARALLELISM=true  # gpu_env.sh turns it off; the corpus and the data tokenize on every core
+      study="python3 -m msa_train.quality all --work $W --out $W/results --budget-s ${QUALITY_BUDGET:-1560} \
+             ${QUALITY_STEPS:+--steps $QUALITY_STEPS} ${QUALITY_MIX:+--mix-fraction $QUALITY_MIX} ${QUALITY_ARGS---mean-phi-arm}"
       if [ ! -f "$W/started" ]; then
         touch "$W/started"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/gpu.txt"
         setsid nohup bash -c "python3 -m msa_train.quality corpus --out $W/corpus --max-tokens ${QUALITY_TOKENS:-23000000} \
-            --vocab 16384 && python3 -m msa_train.quality all --work $W --out $W/results --budget-s ${QUALITY_BUDGET:-1450} \
-            ${QUALITY_STEPS:+--steps $QUALITY_STEPS} ${QUALITY_MIX:+--mix-fraction $QUALITY_MIX} ${QUALITY_ARGS:-}; echo \$? > $W/rc" > "$W/log" 2>&1 < /dev/null &
+            --vocab 16384 && $study; echo \$? > $W/rc" > "$W/log" 2>&1 < /dev/null &
+      elif [ "$(cat "$W/rc" 2>/dev/null)" = 3 ]; then
+        rm "$W/rc"; setsid nohup bash -c "$study; echo \$? > $W/rc" >> "$W/log" 2>&1 < /dev/null &
       fi
       end=$((SECONDS + ${QUALITY_WAIT:-540}))
       while [ ! -f "$W/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done

@@ -1,4 +1,4 @@
-"""``python -m msa_train.quality {corpus,study-a,study-b,report}`` (docs/quality.md)."""
+"""``python -m msa_train.quality {corpus,study-a,study-b,study-c,all,report}`` (docs/quality.md)."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +22,9 @@ def main(argv=None) -> int:
     c.add_argument("--seed", type=int, default=0)
     for name, text in (("study-a", "from scratch: attention=full and fmsa (and a second dense seed)"),
                        ("study-b", "dense -> NSA conversion from study A's dense model"),
-                       ("all", "study A's two arms, study B, then study A's second dense seed, in one budget"),
+                       ("study-c", "the retrieval phase: study A's two models trained on retrieval documents alone"),
+                       ("all", "study A's two arms, study C (with --retrieval-phase), study B, then study A's "
+                               "second dense seed (and --mean-phi-arm), in one budget"),
                        ("report", "summary.json and plots from the runs so far")):
         s = sub.add_parser(name, help=text)
         s.add_argument("--work", required=True, help="work directory: corpus/, data/, runs/, state.json")
@@ -42,6 +44,10 @@ def main(argv=None) -> int:
             s.add_argument("--mean-phi-arm", action="store_true",
                            help="also train NSA with phi plain mean pooling (model.nsa_phi=mean), last: the "
                                 "ablation of phi's parameters (held-out loss only)")
+        if name in ("study-c", "all"):
+            s.add_argument("--retrieval-phase", type=int, default=None, metavar="STEPS",
+                           help="study C: train study A's dense and NSA models on synthetic retrieval documents "
+                                "alone (answers only) for STEPS steps, then evaluate them (default: not run)")
         s.add_argument("--steps", type=int, default=None,
                        help="study A's optimizer steps (default: the recipe's); study B runs a tenth of them. "
                             "Give the same value to every invocation of one study")
@@ -67,12 +73,17 @@ def main(argv=None) -> int:
         plan = dataclasses.replace(plan, mix_fraction=args.mix_fraction)
     if getattr(args, "mix_targets", None):
         plan = dataclasses.replace(plan, mix_targets=args.mix_targets)
+    if getattr(args, "retrieval_phase", None) is not None:
+        if args.retrieval_phase < 1:
+            raise SystemExit(f"--retrieval-phase {args.retrieval_phase}: expected a number of steps >= 1")
+        plan = dataclasses.replace(plan, retrieval_phase_steps=args.retrieval_phase)
     if getattr(args, "mean_phi_arm", False):
         plan = dataclasses.replace(plan, mean_phi_arm=True)
     if args.command == "report":
         study.report(work, out, plan)
         return 0
-    run = {"study-a": study.study_a, "study-b": study.study_b, "all": study.study_all}[args.command]
+    run = {"study-a": study.study_a, "study-b": study.study_b, "study-c": study.study_c,
+           "all": study.study_all}[args.command]
     done = run(work, out, args.budget_s, plan)
     print(f"{args.command}: {'done' if done else 'not finished: run the same command again to continue'}")
     return 0 if done else 3

@@ -1,4 +1,5 @@
-"""The quality study (issue 44, docs/quality.md): dense vs Flash-MSA from scratch, and dense -> NSA conversion.
+"""The quality study (issue 44, docs/quality.md): dense vs Flash-MSA from scratch, dense -> NSA conversion,
+and (on request) a retrieval phase that trains both from-scratch models on retrieval documents alone.
 
 Each study is a list of trainer runs (jobs) under ``<work>/runs/<job>``, run in order by the
 existing :class:`~msa_train.trainer.Trainer` with ``train.resume=auto``. An invocation is bounded
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -52,6 +54,14 @@ class Plan:
     # parameters beyond dense's, which separates phi's parameters from the sparse attention (held-out
     # loss only; run last, after the second dense seed)
     mean_phi_arm: bool = False
+    # study C, the retrieval phase (0: not run): study A's dense and NSA models each trained on
+    # synthetic retrieval documents alone, answers only, for these many steps, then evaluated: what
+    # the CPU retrieval probe needed (thousands of answers-only steps), which the mix does not give
+    retrieval_phase_steps: int = 0
+    retrieval_phase_lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    retrieval_phase_lr: float = 5e-4
+    retrieval_phase_warmup: int = 20
+    seq_len: int = 16384                # train.seq_len of every job
     conversion_steps: int = RECIPE_STEPS // 10  # study B: 10% of study A's tokens
     conversion_lr: float = 3e-4
     conversion_warmup: int = 2
@@ -78,19 +88,19 @@ class Plan:
         model = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                  "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16}  # GQA group 4, as the study's
         return Plan(["recipe=quality_170m", "model.name=quality_tiny",
-                     *(f"model.hf_config.{k}={v}" for k, v in model.items()), *sizes, "train.seq_len=256", "train.grad_accum=1",
+                     *(f"model.hf_config.{k}={v}" for k, v in model.items()), *sizes, "train.grad_accum=1",
                      "train.steps=3", "train.warmup_steps=1", "train.lr=3e-3", "train.loss_chunk_tokens=256",
                      "train.save_every=0", "train.device=cpu", "eval.max_sequences=4",
                      "eval.retrieval=[passkey,single_needle]", "eval.retrieval_lengths=[384,512]",
                      "eval.retrieval_depths=2", "eval.retrieval_probes=1", "eval.retrieval_generate=1"],
                     mix_fraction=0.05, mix_tasks=["passkey", "single_needle"], mix_lengths=[256], mix_tokens_per_query=0,
-                    haystack_tokens=20_000, conversion_steps=2, conversion_warmup=1, distill_steps=3,
+                    haystack_tokens=20_000, seq_len=256, retrieval_phase_lengths=[256], conversion_steps=2, conversion_warmup=1, distill_steps=3,
                     min_piece_s=0.0, eval_reserve_s=0.0)
 
 
 def _jobs_a(plan: Plan, work: Path) -> Dict[str, List[str]]:
     corpus = work / "corpus"
-    common = [*plan.recipe_overrides, f"data.path={work / 'data' / 'train_mix.jsonl'}",
+    common = [*plan.recipe_overrides, f"train.seq_len={plan.seq_len}", f"data.path={work / 'data' / 'train_mix.jsonl'}",
               f"data.eval_path={corpus / 'heldout.jsonl'}", f"data.tokenizer={corpus / 'tokenizer'}",
               f"data.cache_dir={work / 'cache'}", "train.resume=auto", "train.progress=false"]
     seed1 = [] if plan.seed_spread_retrieval else ["eval.retrieval=[]"]
@@ -114,6 +124,30 @@ def _jobs_b(plan: Plan, work: Path) -> Dict[str, List[str]]:
                               f"model.nsa_distill_steps={plan.distill_steps}", f"model.nsa_distill_lr={plan.distill_lr}"]}
 
 
+def _jobs_c(plan: Plan, work: Path) -> Dict[str, List[str]]:
+    """Study C: each of study A's two models trained on the retrieval-phase documents alone."""
+    if not plan.retrieval_phase_steps:
+        return {}
+    a = _jobs_a(plan, work)
+    out = {}
+    for arm in ("full", "fmsa"):
+        keep = [x for x in a[f"a_{arm}"] if not x.startswith(("data.path=", "train.seed="))]
+        out[f"c_{arm}"] = [*keep, f"data.path={work / 'data' / 'retrieval_phase.jsonl'}",
+                           f"model.path={work / 'runs' / f'a_{arm}' / 'hf'}", f"train.steps={plan.retrieval_phase_steps}",
+                           f"train.lr={plan.retrieval_phase_lr}", f"train.warmup_steps={plan.retrieval_phase_warmup}",
+                           "train.seed=0", "train.save_every=0"]
+    return out
+
+
+def _jobs_all(plan: Plan, work: Path) -> List[Dict[str, List[str]]]:
+    """``all``'s jobs, most important first, in two stages (the second starts from the first's
+    models): study A's dense and NSA arms; then study C (when asked for), study B, the second dense
+    seed and the mean-pooling NSA arm."""
+    a = _jobs_a(plan, work)
+    first = {k: a.pop(k) for k in ("a_full", "a_fmsa")}
+    return [first, {**_jobs_c(plan, work), **_jobs_b(plan, work), **a}]
+
+
 def _tokenizer(work: Path):
     from transformers import PreTrainedTokenizerFast
 
@@ -121,6 +155,22 @@ def _tokenizer(work: Path):
     if not path.is_dir():
         raise ValueError(f"--work {work}: no corpus there; run `python -m msa_train.quality corpus --out {work}/corpus` first")
     return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def _training_documents(work: Path) -> List[str]:
+    return [json.loads(line)["text"] for line in (work / "corpus" / "train.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def _haystack(plan: Plan, work: Path, tok) -> List[List[int]]:
+    """The token ids of the corpus's first training documents, ``plan.haystack_tokens`` of them."""
+    hay, total = [], 0
+    for text in _training_documents(work):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        hay.append(ids)
+        total += len(ids)
+        if total >= plan.haystack_tokens:
+            break
+    return hay
 
 
 def prepare_mix(plan: Plan, work: Path) -> Path:
@@ -134,14 +184,8 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
         return out
     tok = _tokenizer(work)
     manifest = json.loads((work / "corpus" / "manifest.json").read_text())
-    docs = [json.loads(line)["text"] for line in (work / "corpus" / "train.jsonl").read_text(encoding="utf-8").splitlines()]
-    hay, total = [], 0
-    for text in docs:
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        hay.append(ids)
-        total += len(ids)
-        if total >= plan.haystack_tokens:
-            break
+    docs = _training_documents(work)
+    hay = _haystack(plan, work, tok)
     mean_len = sum(plan.mix_lengths) / len(plan.mix_lengths)
     count = max(1, round(plan.mix_fraction * manifest["tokens"]["train"] / mean_len))
     synthetic = training_records(plan.mix_tasks, tok, Haystack(hay, tok), plan.mix_lengths, count, seed="study",
@@ -161,6 +205,39 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
         "questions_per_document": dict(zip(map(str, plan.mix_lengths), queries)),
         "questions_approx": round(count * sum(queries) / len(queries)),
         "seed_space": "train-mix/study (evaluation probes: eval)"}, indent=2))
+    return out
+
+
+def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
+    """``<work>/data/retrieval_phase.jsonl`` for study C (None when it is not run): synthetic
+    retrieval documents alone, answers only, enough for ``plan.retrieval_phase_steps`` sequences of
+    ``plan.seq_len`` tokens, from a seed space of their own (``train-mix/retrieval-phase``) and the
+    mix's haystack of training text; ``retrieval_phase.json`` beside it counts them. Written once."""
+    from msa_train.quality.tasks import Haystack, training_records
+
+    if not plan.retrieval_phase_steps:
+        return None
+    out = work / "data" / "retrieval_phase.jsonl"
+    if out.is_file():
+        return out
+    tok = _tokenizer(work)
+    lengths = plan.retrieval_phase_lengths
+    mean_len = sum(lengths) / len(lengths)
+    count = math.ceil(plan.retrieval_phase_steps * plan.seq_len / mean_len)
+    records = training_records(plan.mix_tasks, tok, Haystack(_haystack(plan, work, tok), tok), lengths, count,
+                               seed="retrieval-phase", tokens_per_query=plan.mix_tokens_per_query,
+                               max_queries=plan.mix_max_queries)
+    questions = sum(sum(x["train"] for x in r["segments"]) for r in records)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    (work / "data" / "retrieval_phase.json").write_text(json.dumps({
+        "documents": count, "questions": questions, "lengths": lengths, "tasks": plan.mix_tasks,
+        "steps": plan.retrieval_phase_steps, "lr": plan.retrieval_phase_lr, "targets": "answers",
+        "seed_space": "train-mix/retrieval-phase (evaluation probes: eval)"}, indent=2))
     return out
 
 
@@ -247,16 +324,27 @@ def study_b(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
 
 
 def study_all(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
-    """Both studies in one budget, most important first: dense and fmsa from scratch, the
-    conversion (which starts from the dense run), then the second dense seed. A piece that runs
-    out of budget leaves the rest for the next invocation, as study-a and study-b do."""
+    """Every study in one budget, most important first (``_jobs_all``). A piece that runs out of
+    budget leaves the rest for the next invocation, as study-a and study-b do."""
     deadline = time.time() + budget_s
     prepare_mix(plan, work)
-    a = _jobs_a(plan, work)
-    first = {k: a.pop(k) for k in ("a_full", "a_fmsa")}
-    done = run_jobs(first, work, deadline, plan)
-    if done:
-        done = run_jobs({**_jobs_b(plan, work), **a}, work, deadline, plan)
+    prepare_retrieval_phase(plan, work)
+    done = True
+    for stage in _jobs_all(plan, work):
+        done = done and run_jobs(stage, work, deadline, plan)
+    report(work, out, plan)
+    return done
+
+
+def study_c(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
+    deadline = time.time() + budget_s
+    if not plan.retrieval_phase_steps:
+        raise ValueError("study-c needs --retrieval-phase STEPS (> 0)")
+    state = _read_state(work)
+    if not (state.get("a_full", {}).get("done") and state.get("a_fmsa", {}).get("done")):
+        raise ValueError(f"study-c trains study A's two models further: finish study-a under --work {work} first")
+    prepare_retrieval_phase(plan, work)
+    done = run_jobs(_jobs_c(plan, work), work, deadline, plan)
     report(work, out, plan)
     return done
 
@@ -416,6 +504,11 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
                                          "first_error": d["losses"][0], "last_error": d["losses"][-1]}
     else:
         b["nsa_distilled"]["distill"] = None
+    phase = None
+    if (runs / "c_full").is_dir() or (runs / "c_fmsa").is_dir():
+        phase = {arm: {**_run_entry(runs / f"c_{arm}"), "done": state.get(f"c_{arm}", {}).get("done", False)}
+                 for arm in ("full", "fmsa")}
+        phase["data"] = _json_or_none(work / "data" / "retrieval_phase.json")
     summary = {
         "status": {k: v for k, v in state.items()},
         "corpus": _json_or_none(work / "corpus" / "manifest.json", keep=("python", "site_packages", "documents",
@@ -425,6 +518,7 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
                          "fmsa_vs_full_eval_loss": gap, "dense_seed_spread": spread,
                          **({"fmsa_mean_phi_vs_full_eval_loss": mean_phi_gap} if "fmsa_mean_phi" in a else {})},
         "conversion": b,
+        **({"retrieval_phase": phase} if phase else {}),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     # plots: training losses as a moving mean of about a fiftieth of the run
@@ -442,7 +536,8 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
     write_curves({k: [(r["step"], r["loss"]) for r in c] for k, c in b_curves.items()}, out / "conversion_loss.png",
                  "step", "training loss", "dense -> NSA conversion", smooth=smooth_b)
     for name, entries in (("retrieval_from_scratch.png", {"full": a["full"], "fmsa": a["fmsa"]}),
-                          ("retrieval_conversion.png", b)):
+                          ("retrieval_conversion.png", b),
+                          ("retrieval_phase.png", {k: v for k, v in (phase or {}).items() if k != "data"})):
         results = {k: e["retrieval"] for k, e in entries.items() if e.get("retrieval")}
         if results:
             write_heatmap(results, out / name, title=name[:-4].replace("_", " "))

@@ -1,4 +1,5 @@
 """The whole quality pipeline at tiny size on CPU: corpus, study A, study B, report (msa_train/quality)."""
+import dataclasses
 import json
 import shutil
 import time
@@ -32,6 +33,23 @@ def test_study_b_defaults_to_a_tenth_of_the_recipes_steps():
 
     recipe = OmegaConf.load(Path(__file__).parents[3] / "recipes" / "quality_170m.yaml")
     assert recipe.train.steps == RECIPE_STEPS and Plan.gpu().conversion_steps == RECIPE_STEPS // 10
+
+
+def test_all_runs_study_a_first_then_the_retrieval_phase_from_its_models(tmp_path):
+    from msa_train.quality.study import _jobs_all
+
+    plan = Plan.gpu()
+    assert [list(stage) for stage in _jobs_all(plan, tmp_path)] == [
+        ["a_full", "a_fmsa"], ["b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1"]]  # no phase unless asked
+    plan = dataclasses.replace(plan, retrieval_phase_steps=300, mean_phi_arm=True)
+    first, second = _jobs_all(plan, tmp_path)
+    assert list(second) == ["c_full", "c_fmsa", "b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1", "a_fmsa_mean_phi"]
+    for arm in ("full", "fmsa"):
+        job = second[f"c_{arm}"]
+        assert f"model.path={tmp_path / 'runs' / f'a_{arm}' / 'hf'}" in job and f"attention={arm}" in job
+        assert f"data.path={tmp_path / 'data' / 'retrieval_phase.jsonl'}" in job and "train.steps=300" in job
+        assert job.index("train.steps=300") > job.index("recipe=quality_170m")  # overrides the recipe's steps
+        assert "train.seq_len=16384" in job and not any(x.startswith("eval.retrieval=") for x in job)
 
 
 def test_steps_option_sizes_both_studies():
@@ -72,6 +90,8 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     assert json.loads((out / "summary.json").read_text())["from_scratch"]["full"]["done"] is False
     with pytest.raises(ValueError, match="finish study-a"):
         main(["study-b", "--work", str(work), "--out", str(out), "--tiny"])
+    with pytest.raises(ValueError, match="finish study-a"):
+        main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2"])
     assert main(["all", "--work", str(work), "--out", str(out), "--tiny"]) == 0  # continues, then study B
     state = json.loads((work / "state.json").read_text())
     assert list(state) == ["a_full", "a_fmsa", "b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1"]  # priority order
@@ -108,3 +128,17 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     assert s["fmsa_mean_phi_vs_full_eval_loss"] == pytest.approx(
         s["fmsa_mean_phi"]["final_eval_loss"] / s["full"]["final_eval_loss"] - 1)
     assert s["fmsa_mean_phi"]["retrieval"] is None  # held-out loss only
+    # study C: both from-scratch models trained on retrieval documents alone, answers only
+    with pytest.raises(SystemExit, match="--retrieval-phase 0"):
+        main(["study-c", "--work", str(work), "--tiny", "--retrieval-phase", "0"])
+    assert main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2"]) == 0
+    assert list(json.loads((work / "state.json").read_text()))[-2:] == ["c_full", "c_fmsa"]
+    data = json.loads((work / "data" / "retrieval_phase.json").read_text())
+    records = [json.loads(line) for line in (work / "data" / "retrieval_phase.jsonl").read_text().splitlines()]
+    assert len(records) == data["documents"] == 2 and data["questions"] == 2  # two 256-token sequences, one each
+    assert all([x["train"] for x in r["segments"]] == [False, True] for r in records)
+    phase = json.loads((out / "summary.json").read_text())["retrieval_phase"]
+    for arm in ("full", "fmsa"):
+        assert phase[arm]["done"] and phase[arm]["tokens"] == 2 * 256 and phase[arm]["final_eval_loss"] > 0
+        assert set(phase[arm]["retrieval"]) == {"passkey", "single_needle"}
+    assert phase["data"] == data and (out / "retrieval_phase.png").read_bytes()[:4] == b"\x89PNG"

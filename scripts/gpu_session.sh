@@ -139,7 +139,7 @@ for stage in $stages; do
       end=$((SECONDS + ${QUALITY_WAIT:-540}))
       while [ ! -f "$W/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
       [ -f "$W/rc" ] && echo "quality: finished, rc=$(cat "$W/rc")" || echo "quality: still running"
-      (cd "$W" && tar czf "$OUT/quality.tgz" --ignore-failed-read gpu.txt log rc state.json results data/mix.json \
+      (cd "$W" && tar czf "$OUT/quality.tgz" --ignore-failed-read gpu.txt log rc state.json results data/mix.json data/retrieval_phase.json \
          corpus/manifest.json runs/*/metrics.jsonl runs/*/summary.json runs/*/nsa_distill.json runs/*/config.yaml 2>/dev/null)
       grep -v "^\s*$" "$W/log" | tail -40 ;;
     ncu)    # where the time goes at 64K (Llama3-8B shape): torch.profiler table, then Nsight Compute

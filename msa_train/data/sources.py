@@ -320,9 +320,15 @@ def _get_segments(rec: dict, name: str) -> list[dict]:
         raise _Bad(f"field {name!r} must be a non-empty list of {{text, train}}, got {_type_name(segs)}")
     out = []
     for i, x in enumerate(segs):
-        if not isinstance(x, dict) or set(x) != {"text", "train"}:
-            raise _Bad(f"{name}[{i}] must be an object with exactly 'text' (a string) and 'train' (true or "
-                       f"false), got {sorted(x) if isinstance(x, dict) else _type_name(x)}")
+        if not isinstance(x, dict):
+            raise _Bad(f"{name}[{i}] must be an object with 'text' (a string) and 'train' (true or false), got "
+                       f"{_type_name(x)}")
+        # a key with a null value is absent: a parquet struct column has every field any row has
+        extra = sorted(k for k, v in x.items() if k not in ("text", "train") and v is not None)
+        missing = [k for k in ("text", "train") if k not in x]
+        if extra or missing:
+            raise _Bad(f"{name}[{i}] must be an object with 'text' (a string) and 'train' (true or false)"
+                       + (f"; it lacks {missing}" if missing else "") + (f"; unknown keys {extra}" if extra else ""))
         if not isinstance(x["text"], str):
             raise _Bad(f"{name}[{i}].text must be a string, got {_type_name(x['text'])}")
         if not isinstance(x["train"], bool):
@@ -350,13 +356,19 @@ def validate_record(rec: Any, cfg: DataConfig) -> dict:
         raise _Bad(f"expected a JSON object, got {_type_name(rec)}")
     fmt = cfg.format
     if fmt == "pretrain":
-        if rec.get(cfg.segments_field) is None:
-            return {"text": _get_str(rec, cfg.text_field), "segments": []}
-        if rec.get(cfg.text_field) is not None:
+        # an empty value of the other field counts as absent: a table of both kinds (parquet, pandas)
+        # holds null, "" or [] there
+        text, segs = rec.get(cfg.text_field), rec.get(cfg.segments_field)
+        if segs not in (None, []) and text not in (None, ""):
             raise _Bad(f"has both {cfg.text_field!r} (a document trained whole) and {cfg.segments_field!r} (a "
                        "document trained on its segments with train true): give one")
-        segments = _get_segments(rec, cfg.segments_field)
-        return {"text": "".join(x["text"] for x in segments), "segments": segments}
+        if segs not in (None, []) or (segs == [] and text is None):
+            segments = _get_segments(rec, cfg.segments_field)
+            return {"text": "".join(x["text"] for x in segments), "segments": segments}
+        if text is None and cfg.text_field not in rec:
+            raise _Bad(f"missing field {cfg.text_field!r} (or {cfg.segments_field!r}: [{{text, train}}, ...]) "
+                       f"(record has: {', '.join(map(str, rec)) or 'no fields'})")
+        return {"text": _get_str(rec, cfg.text_field), "segments": []}
     if fmt == "sft":
         # a null messages field (a table mixing chat and prompt/response rows) is no chat record
         if rec.get(cfg.messages_field) is not None:

@@ -232,16 +232,28 @@ def _tokenize_kto(batch: dict, tokenizer: PreTrainedTokenizerBase, add_bos: bool
     return out
 
 
+LABELS_VERSION = 2  # raise when the tokenisation or labels of any format change (2: pretraining segments)
+
+
+def _versioned(batch: dict, fn, tokenizer: PreTrainedTokenizerBase, add_bos: bool, version: int) -> dict:
+    """``fn(batch, ...)``; ``version`` is there for the cache's fingerprint (tokenize_dataset)."""
+    return fn(batch, tokenizer, add_bos)
+
+
 def tokenize_dataset(ds: datasets.Dataset, fmt: str, tokenizer: PreTrainedTokenizerBase, add_bos: bool = True,
                      num_proc: int = 1, desc: Optional[str] = None) -> datasets.Dataset:
     """Validated records -> ``input_ids`` / ``labels`` / ``length`` (preference: per side).
 
     File-backed datasets (``cache_dir`` set) have the result cached next to them by
-    ``datasets`` under a fingerprint of the records, the tokenizer and this function.
+    ``datasets`` under a fingerprint of the records, the tokenizer and the map's arguments, which
+    include :data:`LABELS_VERSION`: ``datasets`` hashes a function by its name, not its code, so a
+    release that changes what these functions produce raises the version, and no cache of the old
+    labels is reused.
     """
     fn = {"generated": _tokenize_pretrain, "pretrain": _tokenize_pretrain, "sft": _tokenize_sft,
           "preference": _tokenize_preference, "kto": _tokenize_kto}[fmt]
     features = {"preference": PREFERENCE_FEATURES, "kto": KTO_FEATURES}.get(fmt, TOKEN_FEATURES)
-    return ds.map(fn, batched=True, batch_size=256, fn_kwargs={"tokenizer": tokenizer, "add_bos": add_bos},
+    return ds.map(_versioned, batched=True, batch_size=256,
+                  fn_kwargs={"fn": fn, "tokenizer": tokenizer, "add_bos": add_bos, "version": LABELS_VERSION},
                   remove_columns=ds.column_names, features=features,
                   num_proc=num_proc if num_proc > 1 else None, desc=desc or "tokenizing")

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                            help="also train NSA with phi plain mean pooling (model.nsa_phi=mean), last: the "
                                 "ablation of phi's parameters (held-out loss only)")
         if name in ("study-c", "all"):
-            s.add_argument("--retrieval-phase", type=int, default=None, metavar="STEPS",
+            s.add_argument("--retrieval-phase", type=int, default=None, metavar="STEPS", required=name == "study-c",
                            help="study C: train study A's dense and NSA models on synthetic retrieval documents "
                                 "alone (answers only) for STEPS steps, then evaluate them (default: not run)")
         s.add_argument("--steps", type=int, default=None,

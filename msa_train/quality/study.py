@@ -219,6 +219,10 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
         return None
     out = work / "data" / "retrieval_phase.jsonl"
     if out.is_file():
+        written = json.loads((work / "data" / "retrieval_phase.json").read_text())["steps"]
+        if written != plan.retrieval_phase_steps:
+            raise ValueError(f"--retrieval-phase {plan.retrieval_phase_steps}: {out} was written for {written} steps; "
+                             f"give {written}, or delete it and runs/c_* to start study C again")
         return out
     tok = _tokenizer(work)
     lengths = plan.retrieval_phase_lengths

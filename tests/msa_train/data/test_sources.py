@@ -88,7 +88,8 @@ BAD_ROWS = [
     {"text": "good 2"},
     {"text": "good 3"},
 ]
-BAD_REASONS = [":2: invalid JSON", ":3: field 'text' is empty", ":4: missing field 'text' (record has: txt)",
+BAD_REASONS = [":2: invalid JSON", ":3: field 'text' is empty",
+               ":4: missing field 'text' (or 'segments': [{text, train}, ...]) (record has: txt)",
                ":5: field 'text' must be a string, got int", ":6: expected a JSON object, got list"]
 
 

@@ -142,3 +142,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         assert phase[arm]["done"] and phase[arm]["tokens"] == 2 * 256 and phase[arm]["final_eval_loss"] > 0
         assert set(phase[arm]["retrieval"]) == {"passkey", "single_needle"}
     assert phase["data"] == data and (out / "retrieval_phase.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="written for 2 steps"):  # the phase's documents are sized for its steps
+        main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "3"])
+    with pytest.raises(SystemExit):  # argparse: study-c needs --retrieval-phase
+        main(["study-c", "--work", str(work), "--tiny"])

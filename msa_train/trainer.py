@@ -1073,6 +1073,8 @@ class Trainer:
                   "document_tokens_per_s": document_tokens_per_s, "mfu": mfu,
                   "peak_memory_gb": peak_memory_gb(self.device), "tokens_seen": self.tokens_seen,
                   "elapsed_s": time.perf_counter() - self._t0, **extra, **self._phases.take()}
+        if not self.pairs:  # the tokens the loss averages (DPO's denominator is its pairs)
+            record["label_tokens"] = int(n_global)
         if self._profiled_since_log:  # its time includes the profiler's: left out of means
             record["profiled"] = True
             self._profiled_since_log = False

@@ -443,14 +443,21 @@ def _steps_done_by(curve: List[Dict[str, Any]], wall: float) -> int:
 
 def _loss_at_wall(curve: List[Dict[str, Any]], wall: float, window: int) -> Optional[float]:
     """The training loss at ``wall`` seconds: the mean of ``window`` steps centred on the last step
-    done by then, or the last ``window`` steps of a run that ends there. A trailing mean on a
+    done by then, or the last ``window`` steps of a run that ends there, weighted by the steps'
+    ``label_tokens`` where they are logged. A trailing mean on a
     still-falling curve lags it (the third run: NSA 3.624 trailing, 3.583 centred, at 230 s)."""
     done = _steps_done_by(curve, wall)
     if not done:
         return None
     hi = min(len(curve), done + (window - 1) // 2)
     lo = max(0, hi - window)
-    return sum(r["loss"] for r in curve[lo:hi]) / (hi - lo)
+    steps = curve[lo:hi]
+    if all(r.get("label_tokens") for r in steps):
+        # weighted by each step's label tokens: a step of a synthetic document trained on its answers
+        # alone (a few hundred tokens) counts for its tokens, not as much as a step of 16K text
+        # tokens (runs logged before label_tokens existed: the plain mean)
+        return sum(r["loss"] * r["label_tokens"] for r in steps) / sum(r["label_tokens"] for r in steps)
+    return sum(r["loss"] for r in steps) / len(steps)
 
 
 def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]:

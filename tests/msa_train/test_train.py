@@ -187,6 +187,8 @@ def test_document_tokens_per_s_leaves_the_padding_out(tmp_path):
     for i, r in enumerate(records):
         documents = sum(m["num_tokens"] for m in seen[2 * i:2 * i + 2])
         assert r["document_tokens_per_s"] / r["tokens_per_s"] == pytest.approx(documents / (2 * 512), rel=1e-9)
+        # the tokens the loss averaged: every label that is not masked (the targets, shifted)
+        assert r["label_tokens"] == sum(int((m["targets"] != -100).sum()) for m in seen[2 * i:2 * i + 2])
     assert any(r["document_tokens_per_s"] < r["tokens_per_s"] for r in records)
     assert summary["mean_document_tokens_per_s"] < summary["mean_tokens_per_s"]
 

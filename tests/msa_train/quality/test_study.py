@@ -22,6 +22,9 @@ def test_loss_at_wall_means_the_steps_done_by_then():
     assert _loss_at_wall(curve, 99.0, window=3) == 9.0
     assert _loss_at_wall(curve, 1.0, window=5) == 2.0      # the first steps: as many as there are
     assert _loss_at_wall(curve, 0.5, window=3) is None
+    for r in curve:  # logged with label_tokens: a mean weighted by them (answers-only steps count less)
+        r["label_tokens"] = 100 if r["wall_s"] == 6.0 else 1000
+    assert _loss_at_wall(curve, 6.0, window=3) == pytest.approx((5 * 1000 + 6 * 100 + 7 * 1000) / 2100)
 
 
 def test_study_b_defaults_to_a_tenth_of_the_recipes_steps():

@@ -58,10 +58,14 @@ class Plan:
     # synthetic retrieval documents alone, answers only, for these many steps, then evaluated: what
     # the CPU retrieval probe needed (thousands of answers-only steps), which the mix does not give
     retrieval_phase_steps: int = 0
-    retrieval_phase_lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    # short sequences, so that the phase's tokens buy many updates: in the CPU probe the number of
+    # updates, not of examples, limited learning (batch 32: 0% exact match after 40K examples in
+    # 1,250 steps; batch 8: 97% after 40K in 5,000). The longest document leaves room for BOS/EOS
+    retrieval_phase_seq_len: int = 4096
+    retrieval_phase_lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4000])
     retrieval_phase_lr: float = 5e-4
     retrieval_phase_warmup: int = 20
-    seq_len: int = 16384                # train.seq_len of every job
+    seq_len: int = 16384                # train.seq_len of study A's and study B's jobs
     conversion_steps: int = RECIPE_STEPS // 10  # study B: 10% of study A's tokens
     conversion_lr: float = 3e-4
     conversion_warmup: int = 2
@@ -94,7 +98,8 @@ class Plan:
                      "eval.retrieval=[passkey,single_needle]", "eval.retrieval_lengths=[384,512]",
                      "eval.retrieval_depths=2", "eval.retrieval_probes=1", "eval.retrieval_generate=1"],
                     mix_fraction=0.05, mix_tasks=["passkey", "single_needle"], mix_lengths=[256], mix_tokens_per_query=0,
-                    haystack_tokens=20_000, seq_len=256, retrieval_phase_lengths=[256], conversion_steps=2, conversion_warmup=1, distill_steps=3,
+                    haystack_tokens=20_000, seq_len=256, retrieval_phase_seq_len=256, retrieval_phase_lengths=[256],
+                    conversion_steps=2, conversion_warmup=1, distill_steps=3,
                     min_piece_s=0.0, eval_reserve_s=0.0)
 
 
@@ -132,7 +137,9 @@ def _jobs_c(plan: Plan, work: Path) -> Dict[str, List[str]]:
     out = {}
     for arm in ("full", "fmsa"):
         keep = [x for x in a[f"a_{arm}"] if not x.startswith(("data.path=", "train.seed="))]
-        out[f"c_{arm}"] = [*keep, f"data.path={work / 'data' / 'retrieval_phase.jsonl'}",
+        keep = [x for x in keep if not x.startswith("train.seq_len=")]
+        out[f"c_{arm}"] = [*keep, f"train.seq_len={plan.retrieval_phase_seq_len}",
+                           f"data.path={work / 'data' / 'retrieval_phase.jsonl'}",
                            f"model.path={work / 'runs' / f'a_{arm}' / 'hf'}", f"train.steps={plan.retrieval_phase_steps}",
                            f"train.lr={plan.retrieval_phase_lr}", f"train.warmup_steps={plan.retrieval_phase_warmup}",
                            "train.seed=0", "train.save_every=0"]
@@ -211,7 +218,7 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
 def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     """``<work>/data/retrieval_phase.jsonl`` for study C (None when it is not run): synthetic
     retrieval documents alone, answers only, enough for ``plan.retrieval_phase_steps`` sequences of
-    ``plan.seq_len`` tokens, from a seed space of their own (``train-mix/retrieval-phase``) and the
+    ``plan.retrieval_phase_seq_len`` tokens, from a seed space of their own (``train-mix/retrieval-phase``) and the
     mix's haystack of training text; ``retrieval_phase.json`` beside it counts them. Written once."""
     from msa_train.quality.tasks import Haystack, training_records
 
@@ -227,7 +234,7 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     tok = _tokenizer(work)
     lengths = plan.retrieval_phase_lengths
     mean_len = sum(lengths) / len(lengths)
-    count = math.ceil(plan.retrieval_phase_steps * plan.seq_len / mean_len)
+    count = math.ceil(plan.retrieval_phase_steps * plan.retrieval_phase_seq_len / mean_len)
     records = training_records(plan.mix_tasks, tok, Haystack(_haystack(plan, work, tok), tok), lengths, count,
                                seed="retrieval-phase", tokens_per_query=plan.mix_tokens_per_query,
                                max_queries=plan.mix_max_queries)
@@ -240,7 +247,8 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     os.replace(tmp, out)
     (work / "data" / "retrieval_phase.json").write_text(json.dumps({
         "documents": count, "questions": questions, "lengths": lengths, "tasks": plan.mix_tasks,
-        "steps": plan.retrieval_phase_steps, "lr": plan.retrieval_phase_lr, "targets": "answers",
+        "steps": plan.retrieval_phase_steps, "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr,
+        "targets": "answers",
         "seed_space": "train-mix/retrieval-phase (evaluation probes: eval)"}, indent=2))
     return out
 

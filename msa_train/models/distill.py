@@ -18,7 +18,7 @@ about a third of a training step. The trainer then trains the whole model as usu
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, List
+from typing import Dict, List
 
 import torch
 

@@ -520,8 +520,9 @@ def column(ds: datasets.Dataset, name: str, numpy: bool = False) -> Any:
 
 def _validation_fields(cfg: DataConfig) -> dict:
     """The config fields that decide how records are read: the cache key of ``load_records``."""
-    keys = ("format", "path", "file_type", "text_field", "segments_field", "prompt_field", "response_field", "messages_field",
-            "chosen_field", "rejected_field", "answer_field", "completion_field", "label_field", "text_sample_by")
+    keys = ("format", "path", "file_type", "text_field", "segments_field", "prompt_field", "response_field",
+            "messages_field", "chosen_field", "rejected_field", "answer_field", "completion_field", "label_field",
+            "text_sample_by")
     return {k: getattr(cfg, k) for k in keys}
 
 

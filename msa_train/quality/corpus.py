@@ -152,11 +152,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     return wrapped
 
 
-def _write_jsonl(path: Path, texts: Sequence[str]) -> None:
+def write_jsonl(path: Path, records: Iterable[dict]) -> None:
+    """``records`` as JSON lines at ``path``, written whole or not at all (a temporary file, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
 
 
@@ -229,8 +231,8 @@ def build_corpus(out: str, site_packages: Optional[Sequence[str]] = None, max_to
 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out_dir / "train.jsonl", train_docs)
-    _write_jsonl(out_dir / "heldout.jsonl", held_docs)
+    write_jsonl(out_dir / "train.jsonl", ({"text": t} for t in train_docs))
+    write_jsonl(out_dir / "heldout.jsonl", ({"text": t} for t in held_docs))
     tokenizer.save_pretrained(str(out_dir / "tokenizer"))
     kept = {id(d) for d in train_docs}
     kept_pkgs = [p for p in train_pkgs if any(id(d) in kept for d in docs[p])]

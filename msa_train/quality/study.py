@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from msa_train.quality.corpus import write_jsonl
+
 log = logging.getLogger(__name__)
 
 TASKS_ALL = ["passkey", "single_needle", "multi_key", "multi_value", "variable_tracking"]
@@ -136,8 +138,7 @@ def _jobs_c(plan: Plan, work: Path) -> Dict[str, List[str]]:
     a = _jobs_a(plan, work)
     out = {}
     for arm in ("full", "fmsa"):
-        keep = [x for x in a[f"a_{arm}"] if not x.startswith(("data.path=", "train.seed="))]
-        keep = [x for x in keep if not x.startswith("train.seq_len=")]
+        keep = [x for x in a[f"a_{arm}"] if not x.startswith(("data.path=", "train.seed=", "train.seq_len="))]
         out[f"c_{arm}"] = [*keep, f"train.seq_len={plan.retrieval_phase_seq_len}",
                            f"data.path={work / 'data' / 'retrieval_phase.jsonl'}",
                            f"model.path={work / 'runs' / f'a_{arm}' / 'hf'}", f"train.steps={plan.retrieval_phase_steps}",
@@ -168,10 +169,10 @@ def _training_documents(work: Path) -> List[str]:
     return [json.loads(line)["text"] for line in (work / "corpus" / "train.jsonl").read_text(encoding="utf-8").splitlines()]
 
 
-def _haystack(plan: Plan, work: Path, tok) -> List[List[int]]:
-    """The token ids of the corpus's first training documents, ``plan.haystack_tokens`` of them."""
+def _haystack(plan: Plan, tok, docs: Sequence[str]) -> List[List[int]]:
+    """The token ids of the first training documents ``docs``, ``plan.haystack_tokens`` of them."""
     hay, total = [], 0
-    for text in _training_documents(work):
+    for text in docs:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         hay.append(ids)
         total += len(ids)
@@ -192,19 +193,14 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
     tok = _tokenizer(work)
     manifest = json.loads((work / "corpus" / "manifest.json").read_text())
     docs = _training_documents(work)
-    hay = _haystack(plan, work, tok)
+    hay = _haystack(plan, tok, docs)
     mean_len = sum(plan.mix_lengths) / len(plan.mix_lengths)
     count = max(1, round(plan.mix_fraction * manifest["tokens"]["train"] / mean_len))
     synthetic = training_records(plan.mix_tasks, tok, Haystack(hay, tok), plan.mix_lengths, count, seed="study",
                                  tokens_per_query=plan.mix_tokens_per_query, max_queries=plan.mix_max_queries,
                                  answers_only=plan.mix_targets == "answers")
     queries = [questions_per_document(n, plan.mix_tokens_per_query, plan.mix_max_queries) for n in plan.mix_lengths]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in [{"text": text} for text in docs] + synthetic:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
+    write_jsonl(out, [{"text": text} for text in docs] + synthetic)
     (work / "data" / "mix.json").write_text(json.dumps({
         "corpus_documents": len(docs), "synthetic_documents": len(synthetic), "mix_fraction": plan.mix_fraction,
         "synthetic_targets": plan.mix_targets,
@@ -235,16 +231,12 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     lengths = plan.retrieval_phase_lengths
     mean_len = sum(lengths) / len(lengths)
     count = math.ceil(plan.retrieval_phase_steps * plan.retrieval_phase_seq_len / mean_len)
-    records = training_records(plan.mix_tasks, tok, Haystack(_haystack(plan, work, tok), tok), lengths, count,
+    hay = _haystack(plan, tok, _training_documents(work))
+    records = training_records(plan.mix_tasks, tok, Haystack(hay, tok), lengths, count,
                                seed="retrieval-phase", tokens_per_query=plan.mix_tokens_per_query,
                                max_queries=plan.mix_max_queries)
     questions = sum(sum(x["train"] for x in r["segments"]) for r in records)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
+    write_jsonl(out, records)
     (work / "data" / "retrieval_phase.json").write_text(json.dumps({
         "documents": count, "questions": questions, "lengths": lengths, "tasks": plan.mix_tasks,
         "steps": plan.retrieval_phase_steps, "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr,

@@ -338,6 +338,10 @@ class EvalConfig:
     only: bool = False                   # evaluate once and exit, no training: the model of model.path, or the
                                          # checkpoint train.resume names; writes <train.output_dir>/eval.json
     max_sequences: int = 0               # packed sequences (or pairs) per evaluation; 0 = all
+    # tokens per packed held-out sequence (0: train.seq_len): evaluate at another length than the
+    # training one, e.g. a model trained at 16K on 64K-token sequences (its loss by position shows
+    # whether it uses the longer context), or a phase trained at 4K where its start model was measured
+    seq_len: int = 0
     position_buckets: int = 6            # loss by position: [0, T/2^(n-1)), ..., [T/4, T/2), [T/2, T)
     passkey: int = 0                     # pass-key retrieval probes per evaluation (0 = none), train.seq_len long
     # RULER-style retrieval over the held-out documents (msa_train/quality/tasks.py): tasks, a grid of
@@ -352,6 +356,8 @@ class EvalConfig:
     def __post_init__(self):
         for key in ("every", "max_sequences", "passkey", "retrieval_generate"):
             _at_least(f"eval.{key}", getattr(self, key), 0, "an integer >= 0")
+        if not isinstance(self.seq_len, int) or self.seq_len < 0 or self.seq_len == 1:
+            raise ValueError(f"eval.seq_len={self.seq_len!r}: expected 0 (train.seq_len) or a number of tokens >= 2")
         _at_least("eval.position_buckets", self.position_buckets, 1, "an integer >= 1")
         for key in ("retrieval_depths", "retrieval_probes"):
             _at_least(f"eval.{key}", getattr(self, key), 1, "an integer >= 1")
@@ -381,6 +387,11 @@ class RootConfig:
     eval: EvalConfig = MISSING
     recipe_name: str = "custom"
 
+    @property
+    def eval_seq_len(self) -> int:
+        """Tokens per packed held-out sequence: eval.seq_len, or train.seq_len where it is 0."""
+        return self.eval.seq_len or self.train.seq_len
+
     def __post_init__(self):
         if self.train.seq_len % self.parallel.sp_degree != 0:
             raise ValueError(f"train.seq_len={self.train.seq_len} must be divisible by parallel.sp_degree="
@@ -408,8 +419,9 @@ class RootConfig:
                              f"parallel.sp_degree=1 and parallel.zero_stage < 3 (got {self.parallel.sp_degree} and "
                              f"{self.parallel.zero_stage}); for a model too big for one GPU, train LoRA adapters "
                              "(model.lora.r) under ZeRO-2")
-        if grpo and (self.eval.retrieval or self.model.nsa_init == "distill"):
+        if grpo and (self.eval.retrieval or self.model.nsa_init == "distill" or self.eval.seq_len):
             what = "eval.retrieval (its haystack is held-out documents)" if self.eval.retrieval else \
+                "eval.seq_len (it packs held-out documents)" if self.eval.seq_len else \
                 "model.nsa_init=distill (it fits NSA on training documents)"
             raise ValueError(f"train.objective=grpo trains on prompts, not documents: {what} is not available; "
                              "GRPO's own evaluation is eval_reward on held-out prompts (data.eval_fraction)")
@@ -421,9 +433,15 @@ class RootConfig:
             what = "eval.only=true" if ev.only else f"eval.every={ev.every}" if ev.every else "eval.at_start=true"
             raise ValueError(f"{what} needs evaluation data: set data.eval_path (files) or data.eval_fraction (held-out "
                              "documents), or eval.passkey (synthetic probes)")
-        if 2 ** (ev.position_buckets - 1) > self.train.seq_len:
+        if ev.seq_len % self.parallel.sp_degree != 0:
+            raise ValueError(f"eval.seq_len={ev.seq_len} must be divisible by parallel.sp_degree="
+                             f"{self.parallel.sp_degree}")
+        if self.attention.is_sparse and 0 < ev.seq_len < self.attention.slc_block:
+            raise ValueError(f"eval.seq_len={ev.seq_len} must be >= attention.slc_block={self.attention.slc_block}")
+        if 2 ** (ev.position_buckets - 1) > self.eval_seq_len:
+            what = f"eval.seq_len={ev.seq_len}" if ev.seq_len else f"train.seq_len={self.train.seq_len}"
             raise ValueError(f"eval.position_buckets={ev.position_buckets}: the first of them would be shorter than one "
-                             f"token at train.seq_len={self.train.seq_len}")
+                             f"token at {what}")
         if self.model.nsa_init == "distill" and (not self.attention.is_sparse or self.parallel.zero_stage == 3
                                                  or self.parallel.sp_degree > 1):
             raise ValueError("model.nsa_init=distill fits NSA's parameters on one process's whole model: it needs a "

@@ -242,7 +242,8 @@ class Trainer:
         self.tokenizer = data.build_tokenizer(cfg.data, cfg.model.path)
         # eval.only tokenises the evaluation documents alone
         self.dataset, self.eval_dataset = data.build_packed_datasets(cfg.data, self.tokenizer, cfg.train.seq_len,
-                                                                     train=not cfg.eval.only)
+                                                                     train=not cfg.eval.only,
+                                                                     eval_seq_len=cfg.eval_seq_len)
         self.passkey_probes = []
         if cfg.eval.passkey:
             from msa_train.evaluation import passkey_probes
@@ -615,7 +616,7 @@ class Trainer:
     def _eval_lm(self) -> Dict[str, Any]:
         from msa_train.evaluation import lm_metrics, position_buckets, position_edges
 
-        edges = position_edges(self.cfg.train.seq_len, self.cfg.eval.position_buckets)
+        edges = position_edges(self.cfg.eval_seq_len, self.cfg.eval.position_buckets)
         nb = len(edges) - 1
         sums = torch.zeros(2, nb, device=self.device)  # loss, argmax-correct tokens per position bucket
         counts = torch.zeros(nb, dtype=torch.float64)   # label tokens per bucket, counted on the host

@@ -43,7 +43,8 @@ def build_packed_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     return build_packed_datasets(cfg, tokenizer, seq_len)[0]
 
 
-def build_packed_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int, train: bool = True
+def build_packed_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seq_len: int, train: bool = True,
+                          eval_seq_len: Optional[int] = None
                           ) -> Tuple[Optional[Union[PackedDataset, PreferencePairDataset]],
                                      Optional[Union[PackedDataset, PreferencePairDataset]]]:
     """(training data, held-out evaluation data or None), both as ``build_packed_dataset`` describes.
@@ -53,10 +54,13 @@ def build_packed_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, s
     token of an evaluation document is trained on. The choice depends only on the number of
     records and the seed, and is made before tokenising, so ``train=False`` (evaluation alone)
     tokenises the held-out documents only and returns None for the training data (with
-    ``eval_path``, ``cfg.path`` is not read at all).
+    ``eval_path``, ``cfg.path`` is not read at all). The evaluation data is packed at
+    ``eval_seq_len`` tokens (default: ``seq_len``).
     """
-    if not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"seq_len={seq_len!r} must be an int >= 2")
+    eval_seq_len = seq_len if eval_seq_len is None else eval_seq_len
+    for name, n in (("seq_len", seq_len), ("eval_seq_len", eval_seq_len)):
+        if not isinstance(n, int) or n < 2:
+            raise ValueError(f"{name}={n!r} must be an int >= 2")
     if cfg.format in PROMPT_FORMATS:  # GRPO's prompts: not packed
         return build_prompt_datasets(cfg, tokenizer, seq_len, train)
     records, report, eval_records = None, None, None
@@ -71,7 +75,7 @@ def build_packed_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, s
         train_ds = _pack(_tokenize(records, cfg, tokenizer), cfg, tokenizer, seq_len, "training")
         train_ds.report = report
     eval_ds = None if eval_records is None else \
-        _pack(_tokenize(eval_records, cfg, tokenizer), cfg, tokenizer, seq_len, "evaluation")
+        _pack(_tokenize(eval_records, cfg, tokenizer), cfg, tokenizer, eval_seq_len, "evaluation")
     return train_ds, eval_ds
 
 

@@ -113,21 +113,26 @@ def _reference_eval(trainer, edges):
     return loss, count, correct, passkey
 
 
-def test_eval_matches_hf_document_by_document(tmp_path):
+@pytest.mark.parametrize("eval_len", [0, 1024], ids=["train-length", "eval.seq_len"])
+def test_eval_matches_hf_document_by_document(tmp_path, eval_len):
     """The packed, chunked evaluation equals a plain HF model run on each held-out document alone:
-    loss overall and by position, argmax accuracy, and the pass-key figures."""
+    loss overall and by position, argmax accuracy, and the pass-key figures; with eval.seq_len the
+    held-out documents are packed (and their positions bucketed) at that length, not train.seq_len's."""
     from msa_train.evaluation import position_edges
     from msa_train.trainer import Trainer
 
     cfg = compose(["attention=full", *FAST, *EVAL, "train.loss_chunk_tokens=100", "eval.only=true",
-                   f"train.output_dir={tmp_path}"])
+                   f"eval.seq_len={eval_len}", f"train.output_dir={tmp_path}"])
     torch.manual_seed(0)
     trainer = Trainer(cfg)
+    length = eval_len or cfg.train.seq_len
+    assert cfg.train.seq_len == 512 and {trainer.eval_dataset[i]["input_ids"].shape[0]
+                                         for i in range(len(trainer.eval_dataset))} == {length}
     with torch.no_grad():  # a trained-looking model: the untrained one predicts almost uniformly
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     got = trainer.evaluate()
-    edges = position_edges(512, 6)
+    edges = position_edges(length, 6)
     loss, count, correct, passkey = _reference_eval(trainer, edges)
     assert got["eval_tokens"] == int(count.sum()) > 5000
     assert got["eval_loss"] == pytest.approx(float(loss.sum() / count.sum()), rel=1e-5)
@@ -200,7 +205,13 @@ def test_eval_during_training_leaves_training_alone_and_eval_only_repeats_it(tmp
     (["data.eval_path=x.jsonl"], "data.eval_path needs a file format"),
     (["eval.position_buckets=11"], "eval.position_buckets=11"),
     (["eval.every=-1"], "eval.every=-1"),
-], ids=["no-data", "only-no-data", "fraction", "generated-path", "buckets", "negative"])
+    (["eval.seq_len=1"], "eval.seq_len=1: expected 0"),
+    (["eval.seq_len=-512"], "eval.seq_len=-512: expected 0"),
+    (["eval.seq_len=40", "eval.position_buckets=7"], "the first of them would be shorter than one token at eval.seq_len=40"),
+    (["eval.seq_len=1001", "parallel.sp_degree=2"], "eval.seq_len=1001 must be divisible by parallel.sp_degree=2"),
+    (["eval.seq_len=16"], "eval.seq_len=16 must be >= attention.slc_block=32"),
+], ids=["no-data", "only-no-data", "fraction", "generated-path", "buckets", "negative", "eval-len-1", "eval-len-negative",
+        "eval-len-buckets", "eval-len-sp", "eval-len-block"])
 def test_eval_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
         compose(overrides)

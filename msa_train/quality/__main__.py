@@ -23,8 +23,8 @@ def main(argv=None) -> int:
     for name, text in (("study-a", "from scratch: attention=full and fmsa (and a second dense seed)"),
                        ("study-b", "dense -> NSA conversion from study A's dense model"),
                        ("study-c", "the retrieval phase: study A's two models trained on retrieval documents alone"),
-                       ("all", "study A's two arms, study C (with --retrieval-phase), study B, then study A's "
-                               "second dense seed (and --mean-phi-arm), in one budget"),
+                       ("all", "study A's two arms, study B, study A's second dense seed, then study C (with "
+                               "--retrieval-phase) and the --mean-phi-arm, in one budget"),
                        ("report", "summary.json and plots from the runs so far")):
         s = sub.add_parser(name, help=text)
         s.add_argument("--work", required=True, help="work directory: corpus/, data/, runs/, state.json")

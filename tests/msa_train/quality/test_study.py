@@ -39,7 +39,7 @@ def test_study_b_defaults_to_a_tenth_of_the_recipes_steps():
     assert recipe.train.steps == RECIPE_STEPS and Plan.gpu().conversion_steps == RECIPE_STEPS // 10
 
 
-def test_all_runs_study_a_first_then_the_retrieval_phase_from_its_models(tmp_path):
+def test_all_runs_study_a_first_then_b_and_the_seed_then_the_retrieval_phase(tmp_path):
     from msa_train.quality.study import _jobs_all
 
     plan = Plan.gpu()
@@ -47,13 +47,14 @@ def test_all_runs_study_a_first_then_the_retrieval_phase_from_its_models(tmp_pat
         ["a_full", "a_fmsa"], ["b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1"]]  # no phase unless asked
     plan = dataclasses.replace(plan, retrieval_phase_steps=300, mean_phi_arm=True)
     first, second = _jobs_all(plan, tmp_path)
-    assert list(second) == ["c_full", "c_fmsa", "b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1", "a_fmsa_mean_phi"]
+    assert list(second) == ["b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1", "c_full", "c_fmsa", "a_fmsa_mean_phi"]
     for arm in ("full", "fmsa"):
         job = second[f"c_{arm}"]
         assert f"model.path={tmp_path / 'runs' / f'a_{arm}' / 'hf'}" in job and f"attention={arm}" in job
         assert f"data.path={tmp_path / 'data' / 'retrieval_phase.jsonl'}" in job and "train.steps=300" in job
         assert job.index("train.steps=300") > job.index("recipe=quality_170m")  # overrides the recipe's steps
         assert [x for x in job if x.startswith("train.seq_len=")] == ["train.seq_len=4096"]  # short: many updates
+        assert "eval.seq_len=16384" in job  # held-out loss packed as study A's
         assert not any(x.startswith("eval.retrieval=") for x in job)
 
 

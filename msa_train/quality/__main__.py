@@ -48,6 +48,13 @@ def main(argv=None) -> int:
             s.add_argument("--retrieval-phase", type=int, default=None, metavar="STEPS", required=name == "study-c",
                            help="study C: train study A's dense and NSA models on synthetic retrieval documents "
                                 "alone (answers only) for STEPS steps, then evaluate them (default: not run)")
+            s.add_argument("--retrieval-phase-lengths", default=None, metavar="N,N,...",
+                           help="study C's document lengths in tokens, drawn uniformly (default 512,1024,2048,4000; "
+                                "each at most 4094, its 4K sequence less BOS/EOS)")
+            s.add_argument("--retrieval-phase-questions", type=int, default=None, metavar="TOKENS",
+                           help="study C's documents ask one question per TOKENS tokens, up to 48 (default 192); "
+                                "0: one question a document, so no question has another's needles as distractors")
+            s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 5e-4)")
         s.add_argument("--steps", type=int, default=None,
                        help="study A's optimizer steps (default: the recipe's); study B runs a tenth of them. "
                             "Give the same value to every invocation of one study")
@@ -77,6 +84,23 @@ def main(argv=None) -> int:
         if args.retrieval_phase < 1:
             raise SystemExit(f"--retrieval-phase {args.retrieval_phase}: expected a number of steps >= 1")
         plan = dataclasses.replace(plan, retrieval_phase_steps=args.retrieval_phase)
+    if getattr(args, "retrieval_phase_lengths", None):
+        try:
+            lengths = [int(x) for x in args.retrieval_phase_lengths.split(",")]
+        except ValueError:
+            lengths = []
+        if not lengths or not all(64 <= n <= plan.retrieval_phase_seq_len - 2 for n in lengths):
+            raise SystemExit(f"--retrieval-phase-lengths {args.retrieval_phase_lengths}: expected comma-separated "
+                             f"token counts from 64 to {plan.retrieval_phase_seq_len - 2}")
+        plan = dataclasses.replace(plan, retrieval_phase_lengths=lengths)
+    if getattr(args, "retrieval_phase_questions", None) is not None:
+        if args.retrieval_phase_questions < 0:
+            raise SystemExit(f"--retrieval-phase-questions {args.retrieval_phase_questions}: expected tokens >= 0")
+        plan = dataclasses.replace(plan, retrieval_phase_tokens_per_query=args.retrieval_phase_questions)
+    if getattr(args, "retrieval_phase_lr", None) is not None:
+        if not args.retrieval_phase_lr > 0:
+            raise SystemExit(f"--retrieval-phase-lr {args.retrieval_phase_lr}: expected a learning rate > 0")
+        plan = dataclasses.replace(plan, retrieval_phase_lr=args.retrieval_phase_lr)
     if getattr(args, "mean_phi_arm", False):
         plan = dataclasses.replace(plan, mean_phi_arm=True)
     if args.command == "report":

@@ -66,6 +66,7 @@ class Plan:
     # 512-token ones are the easy end. The longest document leaves room for BOS/EOS
     retrieval_phase_seq_len: int = 4096
     retrieval_phase_lengths: List[int] = field(default_factory=lambda: [512, 1024, 2048, 4000])
+    retrieval_phase_tokens_per_query: int = 192  # one question per this many tokens, at most mix_max_queries (0: one)
     retrieval_phase_lr: float = 5e-4
     retrieval_phase_warmup: int = 20
     seq_len: int = 16384                # train.seq_len of study A's and study B's jobs
@@ -225,26 +226,28 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     if not plan.retrieval_phase_steps:
         return None
     out = work / "data" / "retrieval_phase.jsonl"
+    lengths = list(plan.retrieval_phase_lengths)
+    spec = {"steps": plan.retrieval_phase_steps, "lengths": lengths,
+            "tokens_per_question": plan.retrieval_phase_tokens_per_query}
     if out.is_file():
-        written = json.loads((work / "data" / "retrieval_phase.json").read_text())["steps"]
-        if written != plan.retrieval_phase_steps:
-            raise ValueError(f"--retrieval-phase {plan.retrieval_phase_steps}: {out} was written for {written} steps; "
-                             f"give {written}, or delete it and runs/c_* to start study C again")
+        written = json.loads((work / "data" / "retrieval_phase.json").read_text())
+        differ = {k: v for k, v in spec.items() if written.get(k) != v}
+        if differ:
+            was = ", ".join(f"{k}={written.get(k)}" for k in differ)
+            raise ValueError(f"study C with {', '.join(f'{k}={v}' for k, v in differ.items())}: {out} was written for "
+                             f"{was}; give those, or delete it and runs/c_* to start study C again")
         return out
     tok = _tokenizer(work)
-    lengths = plan.retrieval_phase_lengths
-    mean_len = sum(lengths) / len(lengths)
-    count = math.ceil(plan.retrieval_phase_steps * plan.retrieval_phase_seq_len / mean_len)
+    count = math.ceil(plan.retrieval_phase_steps * plan.retrieval_phase_seq_len / (sum(lengths) / len(lengths)))
     hay = _haystack(plan, tok, _training_documents(work))
     records = training_records(plan.mix_tasks, tok, Haystack(hay, tok), lengths, count,
-                               seed="retrieval-phase", tokens_per_query=plan.mix_tokens_per_query,
+                               seed="retrieval-phase", tokens_per_query=plan.retrieval_phase_tokens_per_query,
                                max_queries=plan.mix_max_queries)
     questions = sum(sum(x["train"] for x in r["segments"]) for r in records)
     write_jsonl(out, records)
     (work / "data" / "retrieval_phase.json").write_text(json.dumps({
-        "documents": count, "questions": questions, "lengths": lengths, "tasks": plan.mix_tasks,
-        "steps": plan.retrieval_phase_steps, "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr,
-        "targets": "answers",
+        **spec, "documents": count, "questions": questions, "tasks": plan.mix_tasks,
+        "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr, "targets": "answers",
         "seed_space": "train-mix/retrieval-phase (evaluation probes: eval)"}, indent=2))
     return out
 

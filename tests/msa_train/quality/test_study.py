@@ -156,7 +156,16 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         main(["report", "--work", str(work), "--out", str(out), "--tiny"])
     assert drawn["retrieval_from_scratch.png"] == ["full", "fmsa", "full after study C", "fmsa after study C"]
     assert not (out / "retrieval_phase.png").exists()
-    with pytest.raises(ValueError, match="written for 2 steps"):  # the phase's documents are sized for its steps
+    # the phase's documents are written for its steps, lengths and questions: other values are refused
+    with pytest.raises(ValueError, match=r"steps=3: .* was written for steps=2"):
         main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "3"])
+    with pytest.raises(ValueError, match=r"lengths=\[128\], tokens_per_question=0: .* written for lengths=\[256\], "
+                                         r"tokens_per_question=192"):
+        main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
+              "--retrieval-phase-lengths", "128", "--retrieval-phase-questions", "0"])
+    for bad in (["--retrieval-phase-lengths", "128,x"], ["--retrieval-phase-lengths", "4096"],
+                ["--retrieval-phase-questions", "-1"], ["--retrieval-phase-lr", "0"]):
+        with pytest.raises(SystemExit, match=bad[0]):
+            main(["study-c", "--work", str(work), "--tiny", "--retrieval-phase", "2", *bad])
     with pytest.raises(SystemExit):  # argparse: study-c needs --retrieval-phase
         main(["study-c", "--work", str(work), "--tiny"])

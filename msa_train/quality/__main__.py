@@ -38,9 +38,9 @@ def main(argv=None) -> int:
             s.add_argument("--mix-fraction", type=float, default=None,
                            help="synthetic retrieval tokens as a fraction of the corpus's training tokens (default "
                                 "0.4, 29%% of the mixed data); read when the mix is first written, so give it to the first invocation")
-            s.add_argument("--mix-targets", choices=["answers", "all"], default=None,
-                           help="what of a synthetic document trains: its answers only (default; the rest is "
-                                "context) or all its tokens; read when the mix is first written")
+            s.add_argument("--mix-targets", choices=["all", "answers"], default=None,
+                           help="what of a synthetic document trains: all its tokens (default) or its answers "
+                                "only (the rest is context); read when the mix is first written")
             s.add_argument("--mean-phi-arm", action="store_true",
                            help="also train NSA with phi plain mean pooling (model.nsa_phi=mean), last: the "
                                 "ablation of phi's parameters (held-out loss only)")
@@ -49,11 +49,11 @@ def main(argv=None) -> int:
                            help="study C: train study A's dense and NSA models on synthetic retrieval documents "
                                 "alone (answers only) for STEPS steps, then evaluate them (default: not run)")
             s.add_argument("--retrieval-phase-lengths", default=None, metavar="N,N,...",
-                           help="study C's document lengths in tokens, drawn uniformly (default 512,1024,2048,4000; "
+                           help="study C's document lengths in tokens, drawn uniformly (default 256,512,1024,2048; "
                                 "each at most 4094, its 4K sequence less BOS/EOS)")
             s.add_argument("--retrieval-phase-questions", type=int, default=None, metavar="TOKENS",
-                           help="study C's documents ask one question per TOKENS tokens, up to 48 (default 192); "
-                                "0: one question a document, so no question has another's needles as distractors")
+                           help="study C's documents ask one question per TOKENS tokens, up to 48; 0 (default): "
+                                "one question a document, so no question has another's needles as distractors")
             s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 5e-4)")
         s.add_argument("--steps", type=int, default=None,
                        help="study A's optimizer steps (default: the recipe's); study B runs a tenth of them. "

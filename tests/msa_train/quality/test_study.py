@@ -82,7 +82,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(Trainer, "train_step", slow_step)
         assert main(["study-a", "--work", str(work), "--out", str(out), "--tiny", "--budget-s", "1",
-                     "--mix-fraction", "0.08"]) == 3  # a piece
+                     "--mix-fraction", "0.08", "--mix-targets", "answers"]) == 3  # a piece
     mix = json.loads((work / "data" / "mix.json").read_text())
     assert mix["mix_fraction"] == 0.08 and mix["synthetic_targets"] == "answers"
     records = [json.loads(line) for line in (work / "data" / "train_mix.jsonl").read_text().splitlines()]
@@ -159,10 +159,10 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     # the phase's documents are written for its steps, lengths and questions: other values are refused
     with pytest.raises(ValueError, match=r"steps=3: .* was written for steps=2"):
         main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "3"])
-    with pytest.raises(ValueError, match=r"lengths=\[128\], tokens_per_question=0: .* written for lengths=\[256\], "
-                                         r"tokens_per_question=192"):
+    with pytest.raises(ValueError, match=r"lengths=\[128\], tokens_per_question=128: .* written for lengths=\[256\], "
+                                         r"tokens_per_question=0"):
         main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
-              "--retrieval-phase-lengths", "128", "--retrieval-phase-questions", "0"])
+              "--retrieval-phase-lengths", "128", "--retrieval-phase-questions", "128"])
     for bad in (["--retrieval-phase-lengths", "128,x"], ["--retrieval-phase-lengths", "4096"],
                 ["--retrieval-phase-questions", "-1"], ["--retrieval-phase-lr", "0"]):
         with pytest.raises(SystemExit, match=bad[0]):

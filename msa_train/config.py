@@ -393,9 +393,12 @@ class RootConfig:
         return self.eval.seq_len or self.train.seq_len
 
     def __post_init__(self):
-        if self.train.seq_len % self.parallel.sp_degree != 0:
-            raise ValueError(f"train.seq_len={self.train.seq_len} must be divisible by parallel.sp_degree="
-                             f"{self.parallel.sp_degree}")
+        lengths = {"train.seq_len": self.train.seq_len}  # the packed lengths: training's, and evaluation's if its own
+        if self.eval.seq_len:
+            lengths["eval.seq_len"] = self.eval.seq_len
+        for key, n in lengths.items():
+            if n % self.parallel.sp_degree != 0:
+                raise ValueError(f"{key}={n} must be divisible by parallel.sp_degree={self.parallel.sp_degree}")
         heads = self.model.hf_config.get("num_attention_heads") if self.model.path is None else None
         if self.parallel.sp_degree > 1 and heads is not None:  # a model.path's heads: checked by the trainer
             head_layout(heads, self.model.hf_config.get("num_key_value_heads") or heads, self.parallel.sp_degree)
@@ -433,11 +436,9 @@ class RootConfig:
             what = "eval.only=true" if ev.only else f"eval.every={ev.every}" if ev.every else "eval.at_start=true"
             raise ValueError(f"{what} needs evaluation data: set data.eval_path (files) or data.eval_fraction (held-out "
                              "documents), or eval.passkey (synthetic probes)")
-        if ev.seq_len % self.parallel.sp_degree != 0:
-            raise ValueError(f"eval.seq_len={ev.seq_len} must be divisible by parallel.sp_degree="
-                             f"{self.parallel.sp_degree}")
-        if self.attention.is_sparse and 0 < ev.seq_len < self.attention.slc_block:
-            raise ValueError(f"eval.seq_len={ev.seq_len} must be >= attention.slc_block={self.attention.slc_block}")
+        for key, n in lengths.items():
+            if self.attention.is_sparse and n < self.attention.slc_block:
+                raise ValueError(f"{key}={n} must be >= attention.slc_block={self.attention.slc_block}")
         if 2 ** (ev.position_buckets - 1) > self.eval_seq_len:
             what = f"eval.seq_len={ev.seq_len}" if ev.seq_len else f"train.seq_len={self.train.seq_len}"
             raise ValueError(f"eval.position_buckets={ev.position_buckets}: the first of them would be shorter than one "
@@ -451,9 +452,6 @@ class RootConfig:
                              f"(nsa, fmsa, auto; got attention={self.attention.name}) and parallel.zero_stage < 3 "
                              f"(got {self.parallel.zero_stage}: phi's parameters are zeroed whole, not as ZeRO-3 "
                              "partitions)")
-        if self.attention.is_sparse and self.train.seq_len < self.attention.slc_block:
-            raise ValueError(f"train.seq_len={self.train.seq_len} must be >= attention.slc_block="
-                             f"{self.attention.slc_block}")
 
 
 def register_configs() -> None:

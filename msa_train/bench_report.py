@@ -339,8 +339,40 @@ def write_report(rows: List[Dict], out: Path, meta: Dict) -> None:
 
 
 # ----------------------------------------------------------------------- running a point
-def point_overrides(point: Point, fits: Callable[[List[str]], bool] = planner_fits) -> List[str]:
+def host_share_options(point: Point, opts: Sequence[str],
+                       verdict: Callable[[List[str]], Optional[str]]) -> Tuple[str, ...]:
+    """``opts``, or, where they put the whole optimizer state on a host too small for it (``verdict``:
+    :func:`planner_verdict`), the same under ZeRO-3 with the largest host share of it that fits
+    (``parallel.offload_ratio``: DeepSpeed steps the rest on the GPU), so that a model whose optimizer
+    state outgrows the host (Llama-3-8B's 32 layers on a 125 GiB host) still trains at full depth.
+    Under ``same`` the share must fit every arm, so the three arms still run the same options. Without
+    a share that fits, ``opts`` (which the verdict then skips)."""
+    if "parallel.offload_optimizer=true" not in opts:
+        return tuple(opts)
+    arms = ARMS if point.options == "same" else (point.attention,)
+
+    def fit_all(cand):
+        return all(verdict([f"model={point.model}", f"model.hf_config.num_hidden_layers={point.layers}",
+                            *cand, f"attention={a}", f"train.seq_len={point.seq_len}"]) is None for a in arms)
+
+    if fit_all(opts):
+        return tuple(opts)
+    from msa_train.parallel.planner import PARTIAL_OFFLOAD_RATIOS
+
+    zero3 = ("parallel=zero3", *(o for o in opts if not o.startswith("parallel=")))
+    for r in PARTIAL_OFFLOAD_RATIOS:
+        if fit_all(cand := (*zero3, f"parallel.offload_ratio={r}")):
+            return cand
+    return tuple(opts)
+
+
+def point_overrides(point: Point, fits: Callable[[List[str]], bool] = planner_fits,
+                    verdict: Optional[Callable[[List[str]], Optional[str]]] = None) -> List[str]:
+    """The overrides of a point: its model and depth, and its options (``verdict``: with a host share
+    of the optimizer state where the host cannot hold it all, :func:`host_share_options`)."""
     opts = SAME_OPTIONS if point.options == "same" else fastest_options(point, fits)
+    if verdict is not None:
+        opts = host_share_options(point, opts, verdict)
     return [f"model={point.model}", f"model.hf_config.num_hidden_layers={point.layers}", "train.phase_times=true",
             *opts]
 
@@ -358,7 +390,7 @@ def measure_point(point: Point, steps: int, warmup: int, timeout: int, workdir: 
     be killed minutes later."""
     from msa_train import bench_points as bench
 
-    overrides = point_overrides(point)
+    overrides = point_overrides(point, verdict=verdict)
     why = verdict([*overrides, f"attention={point.attention}", f"train.seq_len={point.seq_len}"])
     if why:
         return {"ok": False, "error": why, "skipped": True, "device": device, "overrides": overrides}
@@ -398,8 +430,9 @@ def _shapes(models: Sequence[str], peak_tflops: Optional[float]) -> Dict[str, Di
 def seed_points(out: Path, device: str, steps: int, warmup: int) -> str:
     """Without ``<out>/points.jsonl``, start it from ``<out>/latest.json``'s recorded points (the
     committed report, copied there), where they ran on this GPU (any, on a machine without one, which
-    only summarises) with the same steps and warmup: all but those the planner skipped, which are
-    tried again. Returns what it did."""
+    only summarises) with the same steps and warmup: all but those the planner skipped or that
+    failed, which are tried again (a failure may have been the machine's, or options since changed).
+    Returns what it did."""
     points, latest = out / "points.jsonl", out / "latest.json"
     if points.exists() or not latest.exists():
         return "report: " + ("continuing " + str(points) if points.exists() else "no earlier points")
@@ -407,9 +440,9 @@ def seed_points(out: Path, device: str, steps: int, warmup: int) -> str:
     if (meta.get("steps"), meta.get("warmup")) != (steps, warmup) or device not in ("cpu", meta.get("device")):
         return (f"report: not starting from {latest}: its points ran on {meta.get('device')} with --steps "
                 f"{meta.get('steps')} --warmup {meta.get('warmup')}, this is {device} with {steps} and {warmup}")
-    kept = [r for r in meta.get("measured", []) if not r.get("skipped")]
+    kept = [r for r in meta.get("measured", []) if r.get("ok")]
     points.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    return f"report: starting from {len(kept)} points of {latest} (the planner's skips are tried again)"
+    return f"report: starting from {len(kept)} points of {latest} (the planner's skips and the failures are tried again)"
 
 
 def report(argv: Sequence[str]) -> List[Dict]:

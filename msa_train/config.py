@@ -192,6 +192,9 @@ class ParallelConfig:
     """DeepSpeed ZeRO, memory and kernel options; the DeepSpeed JSON is generated from this."""
     zero_stage: int = 0                  # 0 | 1 | 2 | 3
     offload_optimizer: bool = False      # ZeRO >= 1: optimizer state in host memory
+    # with offload_optimizer under ZeRO-3: the fraction of the optimizer state held and stepped on the
+    # host (DeepSpeed's partial offload, cpu_adam); the rest stays on the GPU, stepped there
+    offload_ratio: float = 1.0
     offload_params: bool = False         # ZeRO 3 only: parameters in host memory
     activation_checkpointing: bool = False
     offload_activations: bool = False    # with activation_checkpointing: the layers' saved inputs in host memory
@@ -216,6 +219,15 @@ class ParallelConfig:
             raise ValueError("parallel.offload_optimizer=true needs parallel.zero_stage in 1, 2, 3")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("parallel.offload_params=true needs parallel.zero_stage=3")
+        _finite("parallel.offload_ratio", self.offload_ratio)
+        if not 0 < self.offload_ratio <= 1:
+            raise ValueError(f"parallel.offload_ratio={self.offload_ratio!r} is not allowed; expected a fraction "
+                             "in (0, 1] of the optimizer state on the host (1: all of it)")
+        if self.offload_ratio < 1 and not (self.offload_optimizer and self.zero_stage == 3
+                                           and self.optimizer == "deepspeed"):
+            raise ValueError(f"parallel.offload_ratio={self.offload_ratio} (a partial offload) needs "
+                             "parallel.offload_optimizer=true, parallel.zero_stage=3 and parallel.optimizer=deepspeed "
+                             "(DeepSpeed splits the optimizer state only under ZeRO-3, with its cpu_adam)")
         _at_least("parallel.sp_degree", self.sp_degree, 1, "an integer >= 1")
         _at_least("parallel.tile_tokens", self.tile_tokens, 0, "an integer >= 0 (0: no tiling)")
         if self.offload_activations and not self.activation_checkpointing:

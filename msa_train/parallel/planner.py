@@ -62,6 +62,8 @@ TILE_TOKENS = 32768  # the ladder's parallel.tile_tokens (as in the recipes)
 # killed by the host's OOM killer (benchmarks/results/e2e/latest.json) on an H100 machine with 124.4
 # GiB available (MemAvailable, read in the same device call).
 HOST_PROCESS_GB = 6.0
+# The host shares of the optimizer state that the ladder tries under ZeRO-3 (parallel.offload_ratio)
+PARTIAL_OFFLOAD_RATIOS = tuple(round(1 - i / 20, 2) for i in range(1, 20))  # 0.95 ... 0.05
 
 
 @dataclass(frozen=True)
@@ -110,20 +112,23 @@ class Options:
     ladder can try combinations; :meth:`overrides` spells them as command-line overrides."""
     zero_stage: int = 0
     offload_optimizer: bool = False
+    offload_ratio: float = 1.0     # the optimizer state's share on the host (< 1: ZeRO-3's partial offload)
     offload_params: bool = False
     activation_checkpointing: bool = False
     offload_activations: bool = False
     tile_tokens: int = 0
     fused_ops: bool = True
     sp_degree: int = 1
+    optimizer: str = "torch"       # parallel.optimizer: a partial offload needs DeepSpeed's (cpu_adam)
 
     @classmethod
     def from_config(cls, cfg, on_cuda: bool = True) -> "Options":
         p = cfg.parallel
-        return cls(zero_stage=p.zero_stage, offload_optimizer=p.offload_optimizer, offload_params=p.offload_params,
-                   activation_checkpointing=p.activation_checkpointing, offload_activations=p.offload_activations,
-                   tile_tokens=p.tile_tokens, fused_ops=on_cuda if p.fused_ops is None else p.fused_ops,
-                   sp_degree=p.sp_degree)
+        return cls(zero_stage=p.zero_stage, offload_optimizer=p.offload_optimizer, offload_ratio=p.offload_ratio,
+                   offload_params=p.offload_params, activation_checkpointing=p.activation_checkpointing,
+                   offload_activations=p.offload_activations, tile_tokens=p.tile_tokens,
+                   fused_ops=on_cuda if p.fused_ops is None else p.fused_ops, sp_degree=p.sp_degree,
+                   optimizer=p.optimizer)
 
     def overrides(self, base: "Options") -> List[str]:
         """The ``parallel.key=value`` overrides that turn ``base`` into these options."""
@@ -219,8 +224,16 @@ def model_state_bytes(params: int, opt: Options, world_size: int, bf16: bool = T
         # DeepSpeed's CPU offload copies each reduced gradient partition straight into the host's fp32
         # buffer (the step's fp32 gradients): the device keeps no gradient partition (plan-check: the
         # 16-layer 64K point measured 31.2 GiB, 8.4 GiB of bf16 gradients below the plan that kept them)
-        out["host_optimizer"] = out["optimizer_state"] + out["step_fp32_gradients"]
-        out["optimizer_state"] = out["step_fp32_gradients"] = out["gradients"] = 0.0
+        r = opt.offload_ratio if z == 3 else 1.0
+        state = out["optimizer_state"] + out["step_fp32_gradients"]
+        out["host_optimizer"] = r * state
+        if z == 3:
+            # ZeRO-3 accumulates every gradient partition in a host buffer of the model's dtype
+            # (stage3.py's grad_partitions_flat_buffer) before copying it to its sub-group's fp32
+            # gradient; under a partial offload the GPU's sub-groups keep their fp32 master weights,
+            # moments and gradients on the GPU from the start, so all of it is resident there
+            out["host_optimizer"] += out["gradients"]
+        out["optimizer_state"], out["step_fp32_gradients"], out["gradients"] = (1 - r) * state, 0.0, 0.0
     if opt.offload_params and z == 3:
         out["host_parameters"] = out["parameters"]
         out["parameters"] = 0.0
@@ -377,7 +390,8 @@ def predict(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H20
 def ladder(opt: Options, work: Workload) -> List[Options]:
     """The fixed order in which memory options are turned on, each step keeping the ones before:
     activation checkpointing, tiled MLPs and norms, the layers' inputs on the host, optimizer state on
-    the host (ZeRO-2 when ZeRO was off), ZeRO-3, parameters on the host, then doubling the SP degree
+    the host (ZeRO-2 when ZeRO was off), ZeRO-3 (or, for a host too small for the optimizer state,
+    ZeRO-3 with a part of it on the GPU), parameters on the host, then doubling the SP degree
     (while it divides the world size and the sequence length)."""
     steps, cur = [], opt
 
@@ -393,6 +407,12 @@ def ladder(opt: Options, work: Workload) -> List[Options]:
     step(offload_activations=True)
     step(offload_optimizer=True, zero_stage=max(cur.zero_stage, 2))
     step(zero_stage=3)
+    # for a host too small for the whole optimizer state: a part of it on the GPU, the largest host
+    # share that fits first (each an alternative to the step before, not kept by the next), first
+    # with the layers' inputs where the run had them (offloading them takes host memory too)
+    for act in dict.fromkeys((opt.offload_activations, cur.offload_activations)):
+        steps.extend(dataclasses.replace(cur, offload_activations=act, offload_ratio=r, optimizer="deepspeed")
+                     for r in PARTIAL_OFFLOAD_RATIOS)
     step(offload_params=True)
     while (cur.sp_degree * 2 <= work.world_size and work.world_size % (cur.sp_degree * 2) == 0
            and work.seq_len % (cur.sp_degree * 2) == 0):
@@ -482,7 +502,7 @@ def print_plan(cfg) -> Plan:
 
 PART_LABELS = {
     "parameters": "parameters", "reference_weights": "GRPO reference policy (starting weights)",
-    "gradients": "gradients", "optimizer_state": "optimizer state (fp32 master + AdamW)",
+    "gradients": "gradients", "optimizer_state": "optimizer state (fp32 master + AdamW; a partial offload's fp32 gradients)",
     "zero3_gathered_layer": "ZeRO-3: one layer gathered", "activations_kept": "activations kept by every layer",
     "layer_working": "one layer recomputed + its backward", "attention_workspace": "attention workspace",
     "loss": "logits / loss chunk (before the layers' backward)",
@@ -498,7 +518,8 @@ def render(result: Plan, title: str) -> str:
     o, w = result.options, result.workload
     head = (f"{title}: attention={w.attention} seq_len={w.seq_len:,} world={w.world_size} sp={o.sp_degree} "
             f"ZeRO-{o.zero_stage} ckpt={o.activation_checkpointing} tile={o.tile_tokens} "
-            f"offload(act/opt/params)={o.offload_activations}/{o.offload_optimizer}/{o.offload_params}")
+            f"offload(act/opt/params)={o.offload_activations}/{o.offload_optimizer}/{o.offload_params}"
+            + (f" offload_ratio={o.offload_ratio}" if o.offload_optimizer and o.offload_ratio < 1 else ""))
     verdict = (f"predicted peak {result.peak_gb:,.1f} GiB per GPU of {result.gpu_gb:,.0f}; host "
                f"{result.host_gb * result.ranks_per_host:,.1f} GiB offloaded for {result.ranks_per_host} rank(s)"
                + (f", {result.host_need_gb:,.1f} with the processes, of {result.host_limit_gb:,.0f}"

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from msa_train import bench, bench_report
-from msa_train.bench_report import Point
+from msa_train.bench_report import ARMS, Point
 
 
 def test_per_layer_fit_recovers_known_slopes():
@@ -167,7 +167,45 @@ def test_a_point_the_planner_rules_out_is_recorded_with_the_prediction_and_not_r
     row = bench_report.measure_point(point, steps=4, warmup=1, timeout=10, workdir=tmp_path, device="cpu",
                                      verdict=verdict)
     assert row["ok"] is False and row["skipped"] and row["error"] == "predicted not to fit: 1 of 2 GiB"
-    assert {"attention=fmsa", "train.seq_len=65536", "model.hf_config.num_hidden_layers=32"} <= set(asked[0])
+    assert {"attention=fmsa", "train.seq_len=65536", "model.hf_config.num_hidden_layers=32"} <= set(asked[-1])
+
+
+def test_a_host_too_small_for_the_optimizer_state_gets_a_share_that_fits_every_arm():
+    """A fake planner: the whole optimizer state on the host does not fit; a host share r fits when
+    r <= 0.8 for fmsa (more parameters) and r <= 0.9 for the other arms. Under ``same`` every arm gets
+    0.8 under ZeRO-3; under ``fastest`` each arm its own."""
+    def verdict(overrides):
+        ratio = next((float(o.split("=")[1]) for o in overrides if o.startswith("parallel.offload_ratio=")), 1.0)
+        limit = 0.8 if "attention=fmsa" in overrides else 0.9
+        return None if ratio <= limit + 1e-9 else "predicted not to fit: host"
+
+    for att in ARMS:
+        over = bench_report.point_overrides(Point("llama3_8b", att, 65536, 32, "same"), verdict=verdict)
+        assert "parallel=zero3" in over and "parallel=zero2" not in over and "parallel.offload_ratio=0.8" in over
+        assert set(bench_report.SAME_OPTIONS) - {"parallel=zero2"} <= set(over)
+    fast = bench_report.point_overrides(Point("llama3_8b", "full", 65536, 32, "fastest"), fits=lambda o: True,
+                                        verdict=verdict)
+    assert "parallel.offload_ratio=0.9" not in fast  # the first candidate keeps no optimizer state on the host
+    assert bench_report.point_overrides(Point("llama3_8b", "full", 65536, 32, "same"),
+                                        verdict=lambda o: None) == bench_report.point_overrides(
+        Point("llama3_8b", "full", 65536, 32, "same"))  # fits as it is: unchanged
+
+
+def test_the_host_share_the_real_planner_picks_fits_llama3_8b_at_full_depth(monkeypatch):
+    """With 124 GiB of host and an 80 GB GPU, the same options at 32 layers and 64K need a part of
+    the optimizer state on the GPU; the share picked fits both for all three arms."""
+    from msa_train.parallel import planner
+
+    monkeypatch.setattr(planner, "host_available_gb", lambda: 124.0)
+    point = Point("llama3_8b", "fmsa", 65536, 32, "same")
+    extra = ["train.plan_gpu_gb=79.2"]
+    assert bench_report.planner_verdict([*bench_report.point_overrides(point), *extra, "attention=fmsa",
+                                         "train.seq_len=65536"]) is not None
+    over = bench_report.point_overrides(point, verdict=lambda o: bench_report.planner_verdict([*o, *extra]))
+    ratio = float(next(o for o in over if o.startswith("parallel.offload_ratio=")).split("=")[1])
+    assert 0.5 <= ratio < 0.9, ratio
+    for att in ARMS:
+        assert bench_report.planner_verdict([*over, *extra, f"attention={att}", "train.seq_len=65536"]) is None
 
 
 def test_the_planner_verdict_weighs_the_host_memory_available_now(monkeypatch):
@@ -248,7 +286,7 @@ def test_a_finder_trial_that_times_out_stops_the_search_without_calling_it_too_b
     assert row["reason"].startswith(f"stopped: the trial at {tried[-1]:,} ended on a timeout after 7 s")
 
 
-def test_the_report_starts_from_the_committed_points_of_the_same_gpu_and_retries_the_planners_skips(tmp_path):
+def test_the_report_starts_from_the_committed_points_of_the_same_gpu_and_retries_skips_and_failures(tmp_path):
     ran = {"key": "llama3_8b/full/65536/4/same", "model": "llama3_8b", "attention": "full", "seq_len": 65536,
            "layers": 4, "options": "same", "ok": True, "step_s": 3.8}
     killed = {**ran, "key": "llama3_8b/full/65536/32/same", "layers": 32, "ok": False, "error": "killed by SIGKILL"}
@@ -259,8 +297,8 @@ def test_the_report_starts_from_the_committed_points_of_the_same_gpu_and_retries
     assert "not starting" in bench_report.seed_points(tmp_path, "H200", 4, 1)  # another GPU
     assert "not starting" in bench_report.seed_points(tmp_path, "H100", 5, 2)  # other steps
     assert not (tmp_path / "points.jsonl").exists()
-    assert "starting from 2 points" in bench_report.seed_points(tmp_path, "H100", 4, 1)
-    assert set(bench_report.load_points(tmp_path / "points.jsonl")) == {ran["key"], killed["key"]}
+    assert "starting from 1 points" in bench_report.seed_points(tmp_path, "H100", 4, 1)
+    assert set(bench_report.load_points(tmp_path / "points.jsonl")) == {ran["key"]}
     assert "continuing" in bench_report.seed_points(tmp_path, "H100", 4, 1)
     (tmp_path / "points.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (ran, killed, skipped)))
     calls = []

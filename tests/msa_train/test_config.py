@@ -1,4 +1,5 @@
 """Config errors fail before any work, naming the key and the allowed values; every recipe composes."""
+import dataclasses
 import os
 import re
 
@@ -37,6 +38,9 @@ def test_bare_config_is_tiny_with_nsa_auto():
     ("parallel.offload_params=true", "parallel.offload_params=true needs parallel.zero_stage=3"),
     ("parallel.offload_activations=true",
      "parallel.offload_activations=true needs parallel.activation_checkpointing=true"),
+    ("parallel.offload_ratio=0", "parallel.offload_ratio=0.0 is not allowed; expected a fraction in (0, 1]"),
+    ("parallel.offload_ratio=0.5", "parallel.offload_ratio=0.5 (a partial offload) needs parallel.offload_optimizer=true, "
+     "parallel.zero_stage=3 and parallel.optimizer=deepspeed"),
     ("parallel.tile_tokens=-8", "parallel.tile_tokens=-8 is not allowed; expected an integer >= 0 (0: no tiling)"),
     ("train.lr=inf", "train.lr=inf is not allowed; expected a finite number"),
     ("train.grad_clip=nan", "train.grad_clip=nan is not allowed; expected a finite number"),
@@ -96,6 +100,22 @@ def test_deepspeed_launchers_local_rank_argument_is_taken_not_passed_to_hydra(mo
     out = run_cli(["--local_rank=0", "recipe=tiny", "--cfg", "job"])  # as `deepspeed --module` runs it
     assert out.returncode == 0, out.stderr
     assert "local_rank" not in out.stdout and "recipe_name: tiny" in out.stdout
+
+
+def test_a_partial_offload_is_a_zero3_json_that_deepspeed_accepts():
+    """``parallel.offload_ratio`` reaches DeepSpeed's offload config, with sub-groups small enough for
+    the split to land near the ratio; DeepSpeed's own config model validates the result."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from msa_train.parallel.deepspeed_config import PARTIAL_OFFLOAD_SUB_GROUP
+
+    par = ParallelConfig(zero_stage=3, offload_optimizer=True, offload_ratio=0.8, optimizer="deepspeed")
+    zero = build_deepspeed_config(par, TrainConfig(), world_size=1, bf16=True)["zero_optimization"]
+    assert zero["offload_optimizer"]["ratio"] == 0.8 and zero["sub_group_size"] == PARTIAL_OFFLOAD_SUB_GROUP
+    parsed = DeepSpeedZeroConfig(**zero)
+    assert parsed.offload_optimizer.ratio == 0.8 and parsed.stage == 3
+    full = build_deepspeed_config(dataclasses.replace(par, offload_ratio=1.0), TrainConfig(), world_size=1, bf16=True)
+    assert "ratio" not in full["zero_optimization"]["offload_optimizer"] and "sub_group_size" not in full["zero_optimization"]
 
 
 def test_deepspeed_json_is_generated_from_the_typed_config():

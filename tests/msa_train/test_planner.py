@@ -1,4 +1,5 @@
 """The memory planner's arithmetic against hand-computed cases, its ladder, and its CLI and trainer hooks."""
+import dataclasses
 import json
 
 import pytest
@@ -29,10 +30,40 @@ def test_model_state_of_a_1b_model(zero, world, expect):
     assert got["host_optimizer"] == got["host_parameters"] == 0
 
 
+@pytest.mark.parametrize("ratio", [1.0, 0.75, 0.3])
+def test_a_partial_offload_splits_the_optimizer_state_between_host_and_gpu(ratio):
+    """ZeRO-3 on one rank, ``offload_ratio`` r: the host holds r of the 12 + 4 bytes a parameter of
+    optimizer state and fp32 gradients and every bf16 gradient partition (2), the GPU the rest of the
+    16, resident from the start; the parameters stay on the GPU (2)."""
+    got = planner.model_state_bytes(B, Options(zero_stage=3, offload_optimizer=True, offload_ratio=ratio,
+                                               optimizer="deepspeed"), 1)
+    assert got["host_optimizer"] == pytest.approx((16 * ratio + 2) * B)
+    assert got["optimizer_state"] == pytest.approx(16 * (1 - ratio) * B, abs=1)
+    assert got["parameters"] == pytest.approx(2 * B) and got["gradients"] == got["step_fp32_gradients"] == 0
+    zero2 = planner.model_state_bytes(B, Options(zero_stage=2, offload_optimizer=True, offload_ratio=ratio), 1)
+    assert zero2["host_optimizer"] == pytest.approx(16 * B)  # ZeRO-2 offloads all of it, whatever the ratio
+
+
+def test_the_ladder_splits_the_optimizer_state_for_a_host_too_small_for_it():
+    """Llama-3-8B's 32 layers at 64K on an 80 GB GPU whose host has 124 GiB: all of the optimizer
+    state on the host needs 16 x 8.03e9 bytes = 119.7 GiB, plus the process's 6, so the fix keeps a
+    part of it on the GPU: the largest host share r with 16r x 8.03e9 + 2 x 8.03e9 bytes (the bf16
+    gradient buffer) + 6 GiB <= 124 GiB, r <= 0.86 -> 0.85, that the GPU has room for."""
+    opt = Options(zero_stage=2, offload_optimizer=True, activation_checkpointing=True, tile_tokens=32768,
+                  optimizer="deepspeed")
+    result = planner.plan(LLAMA3_8B, opt, Workload(seq_len=65536), gpu_gb=79.2, host_limit_gb=124.0)
+    assert not result.fits and result.host_need_gb == pytest.approx(16 * 8.03026 * B / planner.GiB + 6, rel=1e-3)
+    assert result.fix == ["parallel.zero_stage=3", "parallel.offload_ratio=0.85"], result.fix
+    fixed = planner.predict(LLAMA3_8B, dataclasses.replace(opt, zero_stage=3, offload_ratio=0.85), Workload(seq_len=65536),
+                            gpu_gb=79.2, host_limit_gb=124.0)
+    assert fixed.fits and fixed.host_need_gb == pytest.approx((0.85 * 16 + 2) * 8.03026 * B / planner.GiB + 6, rel=1e-3)
+
+
 def test_offloaded_state_moves_to_the_host():
     got = planner.model_state_bytes(B, Options(zero_stage=3, offload_optimizer=True, offload_params=True), 8)
     assert got["optimizer_state"] == got["step_fp32_gradients"] == got["parameters"] == 0
-    assert got["host_optimizer"] == pytest.approx(2 * B)  # (12 + 4) / 8 bytes per parameter
+    # (12 + 4) / 8 bytes per parameter, and ZeRO-3's host buffer of bf16 gradient partitions, 2 / 8
+    assert got["host_optimizer"] == pytest.approx(2.25 * B)
     assert got["host_parameters"] == pytest.approx(0.25 * B)
     fp32 = planner.model_state_bytes(B, Options(), 1, bf16=False)  # torch AdamW on fp32 weights: no master copy
     assert (fp32["parameters"], fp32["gradients"], fp32["optimizer_state"]) == (4 * B, 4 * B, 8 * B)

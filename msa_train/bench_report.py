@@ -488,10 +488,13 @@ def report(argv: Sequence[str]) -> List[Dict]:
 
 
 # ----------------------------------------------------------------------- longest sequence
-def longest(fits: Callable[[int], bool], start: int, multiple: int, ceiling: int = 1 << 24) -> Tuple[int, List[int]]:
+def longest(fits: Callable[[int], bool], start: int, multiple: int, ceiling: int = 1 << 24,
+            refine: Optional[int] = None) -> Tuple[int, List[int]]:
     """The longest ``seq_len`` (a multiple of ``multiple``) for which ``fits`` holds, assuming it holds
     below some threshold and not above: from ``start`` (the planner's estimate, rounded to a power of
-    two), double or halve to bracket it between powers of two, then bisect in steps of ``multiple``.
+    two), double or halve to bracket it between powers of two, then bisect in steps of ``multiple``,
+    at most ``refine`` times (None: down to ``multiple``; 3 finds it within an eighth of the power of
+    two below it, where each trial at a model's full depth takes minutes).
     Returns (the length, the lengths tried in order); 0 when not even ``multiple`` fits."""
     tried: List[int] = []
 
@@ -518,10 +521,12 @@ def longest(fits: Callable[[int], bool], start: int, multiple: int, ceiling: int
                 lo = hi // 2
             else:
                 hi //= 2
+    steps = 0
     while hi - lo > multiple:  # bisect between lo (fits) and hi (does not), in steps of `multiple`
         mid = (lo + hi) // 2 // multiple * multiple
-        if mid in (lo, hi):
+        if mid in (lo, hi) or (refine is not None and steps >= refine):
             break
+        steps += 1
         if ok(mid):
             lo = mid
         else:
@@ -544,6 +549,9 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=int, default=540)
     p.add_argument("--out", default="runs/bench/longest")
+    p.add_argument("--refine", type=int, default=3,
+                   help="bisection trials after bracketing between powers of two (3: within an eighth; -1: to the "
+                        "attention's length multiple)")
     args, extra = p.parse_known_args(list(argv))
     extra = [x for x in extra if x != "--"]
     import torch
@@ -587,8 +595,9 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
             return point["ok"]
 
         try:
-            best, tried = longest(fits, start, multiple)
-            table[att] = {"longest": best, "planner_start": start, "tried": tried, "device": device}
+            best, tried = longest(fits, start, multiple, refine=None if args.refine < 0 else args.refine)
+            table[att] = {"longest": best, "planner_start": start, "tried": tried, "device": device,
+                          "not_fitting": min([T for T, ok in runs.items() if not ok], default=None)}
         except _Undecided as stop:
             tried = [*runs, stop.seq_len]
             table[att] = {"longest": max([T for T, ok in runs.items() if ok], default=0), "planner_start": start,
@@ -603,9 +612,12 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
 def _write_longest(out: Path, table: Dict) -> str:
     """latest.json and latest.md of the finder, after each attention (a call cut short keeps those done)."""
     (out / "latest.json").write_text(json.dumps(table, indent=2))
-    lines = ["| attention | longest seq_len | planner's start | trials | note |", "|---|---|---|---|---|"]
-    lines += [f"| {a} | {r['longest']:,} | {r['planner_start']:,} | {len(r['tried'])} | {r.get('reason', '')} |"
-              for a, r in table.items()]
+    lines = ["| attention | longest seq_len | shortest that did not | planner's start | trials | note |",
+             "|---|---|---|---|---|---|"]
+    for a, r in table.items():
+        above = f"{r['not_fitting']:,}" if r.get("not_fitting") else "-"
+        lines.append(f"| {a} | {r['longest']:,} | {above} | {r['planner_start']:,} | {len(r['tried'])} | "
+                     f"{r.get('reason', '')} |")
     (out / "latest.md").write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 

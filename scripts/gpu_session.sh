@@ -74,12 +74,13 @@ for stage in $stages; do
         --out "$OUT/long_llama3_8b_4layers_h200${LONG_TAG:-}" -- model.hf_config.num_hidden_layers=4 \
         ${LONG_OPTS-parallel.offload_activations=true parallel.tile_tokens=32768 parallel.offload_optimizer=true} \
         2>&1 | tail -20 | tee "$OUT/longest${LONG_TAG:-}.log" ;;
-    finder)   # the longest-sequence finder (python -m msa_train.bench longest) at Llama3-8B's full depth with LoRA
-              # (full fine-tuning at 32 layers does not fit a 125 GiB host at any length), one attention a call
-              # (a trial at full depth takes minutes): FIND_ATTN, FIND_OPTS, FIND_TIMEOUT, FIND_POINT_TIMEOUT
+    finder)   # the longest-sequence finder (python -m msa_train.bench longest) at Llama3-8B's full depth, full
+              # fine-tuning with 80% of the optimizer state on the host (all of it does not fit a 125 GiB host),
+              # one attention a call (a trial at full depth takes minutes): FIND_ATTN, FIND_OPTS (e.g. LoRA:
+              # "model.lora.r=16 model.lora.alpha=32 parallel.tile_tokens=32768"), FIND_TIMEOUT, FIND_POINT_TIMEOUT
       timeout "${FIND_TIMEOUT:-580}" python3 -m msa_train.bench longest --recipe llama3_8b_64k --attention "${FIND_ATTN:-fmsa}" \
         --steps 2 --timeout "${FIND_POINT_TIMEOUT:-300}" --out "$OUT/finder_${FIND_ATTN:-fmsa}" -- \
-        ${FIND_OPTS-model.lora.r=16 model.lora.alpha=32 parallel.tile_tokens=32768 parallel.offload_activations=true} \
+        ${FIND_OPTS-parallel=zero3 parallel.offload_optimizer=true parallel.optimizer=deepspeed parallel.offload_ratio=0.8 parallel.tile_tokens=32768} \
         2>&1 | tail -20 | tee "$OUT/finder_${FIND_ATTN:-fmsa}.log" ;;
     phases)  # where a long step's time goes (train.phase_times): Llama3-8B layer shapes (4 layers) at
              # PHASE_LEN tokens, one point per memory-option set NAME:ATTENTION:OVERRIDES (space-separated)

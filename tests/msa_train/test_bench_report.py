@@ -78,6 +78,17 @@ def test_longest_finds_the_threshold_in_logarithmic_trials(threshold, start):
     assert len(tried) <= 2 * math.log2(max(threshold, start) / multiple) + 3
 
 
+@pytest.mark.parametrize("threshold", [70_000, 131_072, 200_000, 300_000])
+def test_a_refine_limit_stops_within_an_eighth_in_few_trials(threshold):
+    """``refine=3``: after bracketing between powers of two, three bisections: the answer fits, and
+    is within an eighth of the power of two below it of the true threshold (a trial at full depth
+    takes minutes, so the finder does not bisect down to 64 tokens)."""
+    best, tried = bench_report.longest(lambda T: T <= threshold, 65536, 64, refine=3)
+    lo = 1 << (threshold.bit_length() - 1)
+    assert best <= threshold and threshold - best < lo / 8
+    assert len(tried) <= math.log2(threshold / 65536) + 2 + 3
+
+
 def test_the_benchmark_writes_under_runs_and_labels_what_ran(tmp_path, monkeypatch):
     stem = bench.default_stem("tiny", "cpu")
     assert stem.parts[0] == "runs" and not stem.is_absolute()  # relative to the working dir, never the source tree

@@ -196,7 +196,17 @@ def test_a_host_too_small_for_the_optimizer_state_gets_a_share_that_fits_every_a
         assert set(bench_report.SAME_OPTIONS) - {"parallel=zero2"} <= set(over)
     fast = bench_report.point_overrides(Point("llama3_8b", "full", 65536, 32, "fastest"), fits=lambda o: True,
                                         verdict=verdict)
-    assert "parallel.offload_ratio=0.9" not in fast  # the first candidate keeps no optimizer state on the host
+    assert not any("offload_ratio" in o for o in fast)  # the first candidate keeps no optimizer state on the host
+
+    def gpu_verdict(overrides):  # and the GPU takes at most 60% of the state (r >= 0.4)
+        ratio = next((float(o.split("=")[1]) for o in overrides if o.startswith("parallel.offload_ratio=")), 1.0)
+        return None if 0.4 - 1e-9 <= ratio <= 0.9 + 1e-9 else "predicted not to fit"
+
+    fast = bench_report.point_overrides(Point("llama3_8b", "fmsa", 65536, 32, "fastest"),
+                                        fits=lambda o: "parallel.offload_optimizer=true" in o, verdict=gpu_verdict)
+    assert "parallel.offload_ratio=0.5" in fast  # the smallest host share that fits, 0.4, plus the margin
+    same = bench_report.point_overrides(Point("llama3_8b", "fmsa", 65536, 32, "same"), verdict=gpu_verdict)
+    assert "parallel.offload_ratio=0.9" in same  # the largest
     assert bench_report.point_overrides(Point("llama3_8b", "full", 65536, 32, "same"),
                                         verdict=lambda o: None) == bench_report.point_overrides(
         Point("llama3_8b", "full", 65536, 32, "same"))  # fits as it is: unchanged

@@ -178,11 +178,28 @@ def load_points(path: Path) -> Dict[str, Dict]:
     return {r["key"]: r for r in rows}
 
 
+def predicted_seconds(point: Point, done: Dict[str, Dict], steps: int) -> Optional[float]:
+    """The seconds ``point`` would take, from the per-layer fit of the same model, attention, length
+    and options at the depths already measured: ``steps`` steps and one more for the profiled step's
+    overhead, plus the slowest startup recorded there; None without two depths to fit."""
+    same = [r for r in done.values() if r.get("ok") and r.get("step_s") and (r["model"], r["attention"], r["seq_len"],
+            r["options"]) == (point.model, point.attention, point.seq_len, point.options)]
+    depths = {r["layers"]: r for r in same}
+    if len(depths) < 2:
+        return None
+    fit = fit_per_layer(sorted(depths), [depths[L]["step_s"] for L in sorted(depths)])
+    startup = max(((r.get("seconds") or {}).get("startup") or 0.0) for r in same)
+    return (steps + 1) * (fit["fixed_s"] + fit["per_layer_s"] * point.layers) + startup
+
+
 def run_grid(points: Iterable[Point], results: Path, run: Callable[[Point], Dict],
-             max_seconds: Optional[float] = None, clock: Callable[[], float] = time.monotonic) -> Dict[str, Dict]:
+             max_seconds: Optional[float] = None, clock: Callable[[], float] = time.monotonic,
+             timeout: Optional[float] = None, steps: int = 5) -> Dict[str, Dict]:
     """Run the points not yet in ``results`` (one JSON line each, appended as it finishes), until
     ``max_seconds`` have passed; returns all points recorded. A point the planner skipped is tried
-    again (the host memory available, which the skip weighed, changes between runs)."""
+    again (the host memory available, which the skip weighed, changes between runs). A point that
+    shallower depths predict to outlast ``timeout`` (:func:`predicted_seconds`; full attention at
+    256K and 32 layers, about 20 minutes) is recorded as skipped, not run: its row is then a fit."""
     results.parent.mkdir(parents=True, exist_ok=True)
     done = load_points(results)
     t0 = clock()
@@ -191,7 +208,12 @@ def run_grid(points: Iterable[Point], results: Path, run: Callable[[Point], Dict
             continue
         if max_seconds is not None and clock() - t0 >= max_seconds:
             break
-        row = {"key": point.key, **dataclasses.asdict(point), **run(point)}
+        eta = predicted_seconds(point, done, steps) if timeout else None
+        if eta is not None and eta > timeout:
+            why = f"predicted to take {eta:,.0f} s (fitted from the depths measured), more than --timeout {timeout:.0f}"
+            row = {"key": point.key, **dataclasses.asdict(point), "ok": False, "skipped": True, "error": why}
+        else:
+            row = {"key": point.key, **dataclasses.asdict(point), **run(point)}
         with results.open("a") as f:
             f.write(json.dumps(row) + "\n")
         done[point.key] = row
@@ -490,7 +512,7 @@ def report(argv: Sequence[str]) -> List[Dict]:
     work = out / "runs"
     rows = run_grid(points, out / "points.jsonl",
                     lambda pt: measure_point(pt, args.steps, args.warmup, args.timeout, work, device),
-                    None if args.max_minutes is None else args.max_minutes * 60)
+                    None if args.max_minutes is None else args.max_minutes * 60, timeout=args.timeout, steps=args.steps)
     table = summarise_rows(rows, _shapes(models, peak))
     from msa_train.parallel.planner import host_available_gb
 

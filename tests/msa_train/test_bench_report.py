@@ -229,6 +229,28 @@ def test_the_host_share_the_real_planner_picks_fits_llama3_8b_at_full_depth(monk
         assert bench_report.planner_verdict([*over, *extra, f"attention={att}", "train.seq_len=65536"]) is None
 
 
+def test_a_point_the_shallower_depths_predict_to_outlast_the_timeout_is_skipped_not_run(tmp_path):
+    """4 and 8 layers took 10 and 20 s a step (2.5 s a layer) after a 60 s startup: 32 layers would
+    take (4 + 1) x 80 + 60 = 460 s, more than a 300 s timeout (skipped, its row a fit) and less than
+    600 s (run)."""
+    measured = [{"key": f"llama3_8b/full/262144/{L}/same", "model": "llama3_8b", "attention": "full",
+                 "seq_len": 262144, "layers": L, "options": "same", "ok": True, "step_s": s,
+                 "seconds": {"startup": 60.0}} for L, s in ((4, 10.0), (8, 20.0))]
+    deep = Point("llama3_8b", "full", 262144, 32, "same")
+    assert bench_report.predicted_seconds(deep, {r["key"]: r for r in measured}, 4) == pytest.approx(460.0)
+    assert bench_report.predicted_seconds(Point("llama3_8b", "fmsa", 262144, 32, "same"),
+                                          {r["key"]: r for r in measured}, 4) is None  # no depths of its own
+    for timeout, runs in ((300, False), (600, True)):
+        results = tmp_path / f"points_{timeout}.jsonl"
+        results.write_text("".join(json.dumps(r) + "\n" for r in measured))
+        calls = []
+        rows = bench_report.run_grid([deep], results, lambda pt: calls.append(pt.key) or {"ok": True},
+                                     timeout=timeout, steps=4)
+        assert (calls == [deep.key]) is runs
+        if not runs:
+            assert rows[deep.key]["skipped"] and "predicted to take 460 s" in rows[deep.key]["error"]
+
+
 def test_the_planner_verdict_weighs_the_host_memory_available_now(monkeypatch):
     """Llama-3-8B's 32 layers with the optimizer state on the host need about 120 GiB of it (124 for fmsa), which a
     host of 125 GiB did not have; 16 layers need about half."""

@@ -4,7 +4,8 @@ Layout of ``<output_dir>/checkpoints/``::
 
     step_000020/                 a complete checkpoint (only complete ones carry this name)
       ds/                        DeepSpeed engine.save_checkpoint: model, optimizer, LR scheduler
-      rank_00000.pt ...          per rank: torch / CUDA / python RNG states, data sampler state
+      rank_00000.pt ...          per rank: torch / CUDA / python RNG states, data sampler state (and,
+                                 under a partial optimizer offload, the GPU share's optimizer state)
       trainer_state.json         step, tokens seen, the settings an exact resume depends on
       manifest.json              every file above: its size, the sha256 of each 256 MiB piece
       COMPLETE                   written last, before the rename
@@ -176,6 +177,44 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def gpu_share_optimizer(engine) -> Optional[tuple]:
+    """Under DeepSpeed's ZeRO-3 partial offload (``parallel.offload_ratio`` < 1) the optimizer's GPU
+    sub-groups are stepped by a second optimizer (its ``backup_optimizer``, torch's AdamW) whose
+    state DeepSpeed's checkpoint leaves out: stage3.py's ``_rigid_state_dict`` saves only the host
+    optimizer's. Returns (that optimizer, {sub-group index: its fp32 partition}), or None without a
+    partial offload. The checkpoint saves and restores that state itself (:meth:`CheckpointManager.save`)."""
+    opt = getattr(engine, "optimizer", None)
+    backup, devices = getattr(opt, "backup_optimizer", None), getattr(opt, "subgroup_to_device", None)
+    if backup is None or not devices:
+        return None
+    return backup, {i: opt.fp32_partitioned_groups_flat[i] for i, where in devices.items() if where != "cpu"}
+
+
+def _gpu_share_state(engine) -> Optional[Dict[int, Dict[str, Any]]]:
+    """The GPU share's optimizer state, on the host, by sub-group index (None without a partial offload)."""
+    share = gpu_share_optimizer(engine)
+    if share is None:
+        return None
+    backup, params = share
+    return {i: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in backup.state[p].items()}
+            for i, p in params.items() if p in backup.state}
+
+
+def _restore_gpu_share(engine, saved: Optional[Dict[int, Dict[str, Any]]], path: Path) -> None:
+    share = gpu_share_optimizer(engine)
+    params = share[1] if share else {}
+    if not params and saved is None:
+        return
+    if saved is None or set(saved) != set(params):
+        raise CheckpointError(
+            f"{path}: its optimizer state was saved with another split between host and GPU "
+            f"({'none' if saved is None else len(saved)} sub-groups stepped on the GPU, this run {len(params)}): "
+            "resume with the parallel.offload_ratio (and parallel.zero_stage) it was saved with")
+    backup = share[0]
+    for i, p in params.items():
+        backup.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in saved[i].items()}
+
+
 def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     """(step, directory) of the complete checkpoints under ``ckpt_root``, oldest first."""
     if not ckpt_root.is_dir():
@@ -239,7 +278,9 @@ class CheckpointManager:
             tmp.mkdir()
         _barrier()
         engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=self.trainable_only)
-        torch.save({"rng": rng_state(), **rank_state}, tmp / f"rank_{self.rank:05d}.pt")
+        gpu_share = _gpu_share_state(engine)  # what DeepSpeed's own files leave out (gpu_share_optimizer)
+        torch.save({"rng": rng_state(), **rank_state, **({"gpu_share_optimizer": gpu_share} if gpu_share is not None else {})},
+                   tmp / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
         _barrier()
@@ -437,5 +478,6 @@ class CheckpointManager:
         if not rank_file.is_file():
             raise ValueError(f"{path} has no state for rank {self.rank}: was it saved with a different world size?")
         rank_state = safe_load(rank_file)
+        _restore_gpu_share(engine, rank_state.pop("gpu_share_optimizer", None), path)
         set_rng_state(rank_state.pop("rng"))
         return trainer_state, rank_state

@@ -49,7 +49,9 @@ FASTEST_SHARE_MARGIN = 0.1
 
 
 def fastest_options(point: "Point", fits: Callable[[List[str]], bool]) -> Tuple[str, ...]:
-    """The first of FAST_CANDIDATES for which ``fits(overrides at full depth)`` holds (else the last)."""
+    """The first of FAST_CANDIDATES for which ``fits(overrides at full depth)`` holds (else the last);
+    a point whose host cannot hold them then takes a share of the optimizer state on the GPU
+    (:func:`host_share_options`), chosen at its own depth."""
     full = SHAPES.get(point.model, point.layers)
     base = [f"model={point.model}", f"model.hf_config.num_hidden_layers={full}", f"attention={point.attention}",
             f"train.seq_len={point.seq_len}"]
@@ -181,15 +183,20 @@ def load_points(path: Path) -> Dict[str, Dict]:
 def predicted_seconds(point: Point, done: Dict[str, Dict], steps: int) -> Optional[float]:
     """The seconds ``point`` would take, from the per-layer fit of the same model, attention, length
     and options at the depths already measured: ``steps`` steps and one more for the profiled step's
-    overhead, plus the slowest startup recorded there; None without two depths to fit."""
+    overhead, plus the slowest startup and the longest rest of a process (imports, exit) recorded
+    there; None without two depths to fit."""
     same = [r for r in done.values() if r.get("ok") and r.get("step_s") and (r["model"], r["attention"], r["seq_len"],
             r["options"]) == (point.model, point.attention, point.seq_len, point.options)]
     depths = {r["layers"]: r for r in same}
     if len(depths) < 2:
         return None
     fit = fit_per_layer(sorted(depths), [depths[L]["step_s"] for L in sorted(depths)])
-    startup = max(((r.get("seconds") or {}).get("startup") or 0.0) for r in same)
-    return (steps + 1) * (fit["fixed_s"] + fit["per_layer_s"] * point.layers) + startup
+    seconds = [r.get("seconds") or {} for r in same]
+    startup = max((s.get("startup") or 0.0) for s in seconds)
+    # the process's time outside its startup and training loop (imports, saving, exit): 18-26 s a point
+    rest = max(((s.get("process") or 0.0) - (s.get("startup") or 0.0) - (s.get("training_loop") or 0.0)
+                for s in seconds if s.get("process")), default=0.0)
+    return (steps + 1) * (fit["fixed_s"] + fit["per_layer_s"] * point.layers) + startup + rest
 
 
 def run_grid(points: Iterable[Point], results: Path, run: Callable[[Point], Dict],

@@ -4,8 +4,8 @@ Layout of ``<output_dir>/checkpoints/``::
 
     step_000020/                 a complete checkpoint (only complete ones carry this name)
       ds/                        DeepSpeed engine.save_checkpoint: model, optimizer, LR scheduler
-      rank_00000.pt ...          per rank: torch / CUDA / python RNG states, data sampler state (and,
-                                 under a partial optimizer offload, the GPU share's optimizer state)
+      rank_00000.pt ...          per rank: torch / CUDA / python RNG states, data sampler state
+      rank_00000_gpu_share.pt    under a partial optimizer offload: the GPU share's optimizer state
       trainer_state.json         step, tokens seen, the settings an exact resume depends on
       manifest.json              every file above: its size, the sha256 of each 256 MiB piece
       COMPLETE                   written last, before the rename
@@ -49,6 +49,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from msa_train.parallel.engine import gpu_share_optimizer
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)$")
@@ -177,42 +179,45 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def gpu_share_optimizer(engine) -> Optional[tuple]:
-    """Under DeepSpeed's ZeRO-3 partial offload (``parallel.offload_ratio`` < 1) the optimizer's GPU
-    sub-groups are stepped by a second optimizer (its ``backup_optimizer``, torch's AdamW) whose
-    state DeepSpeed's checkpoint leaves out: stage3.py's ``_rigid_state_dict`` saves only the host
-    optimizer's. Returns (that optimizer, {sub-group index: its fp32 partition}), or None without a
-    partial offload. The checkpoint saves and restores that state itself (:meth:`CheckpointManager.save`)."""
-    opt = getattr(engine, "optimizer", None)
-    backup, devices = getattr(opt, "backup_optimizer", None), getattr(opt, "subgroup_to_device", None)
-    if backup is None or not devices:
-        return None
-    return backup, {i: opt.fp32_partitioned_groups_flat[i] for i, where in devices.items() if where != "cpu"}
+def _gpu_share_file(rank: int) -> str:
+    return f"rank_{rank:05d}_gpu_share.pt"
 
 
-def _gpu_share_state(engine) -> Optional[Dict[int, Dict[str, Any]]]:
-    """The GPU share's optimizer state, on the host, by sub-group index (None without a partial offload)."""
+def _save_gpu_share(engine, tmp: Path, rank: int) -> None:
+    """Under a partial offload, the GPU share's optimizer state (what DeepSpeed's files leave out,
+    :func:`gpu_share_optimizer`) by sub-group index, in ``rank_N_gpu_share.pt``, with the size of each
+    sub-group. Saved from the device: torch.save copies one tensor's storage at a time to the host,
+    which has no room for the whole share beside the offloaded state (about 13 GiB of moments for 20%
+    of an 8B model, on a host that the offloaded 80% leaves 3 GiB)."""
     share = gpu_share_optimizer(engine)
     if share is None:
-        return None
+        return
     backup, params = share
-    return {i: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in backup.state[p].items()}
-            for i, p in params.items() if p in backup.state}
+    torch.save({"numel": {i: p.numel() for i, p in params.items()},
+                "state": {i: dict(backup.state[p]) for i, p in params.items() if p in backup.state}},
+               tmp / _gpu_share_file(rank))
 
 
-def _restore_gpu_share(engine, saved: Optional[Dict[int, Dict[str, Any]]], path: Path) -> None:
+def _restore_gpu_share(engine, path: Path, rank: int) -> None:
     share = gpu_share_optimizer(engine)
     params = share[1] if share else {}
-    if not params and saved is None:
+    file = path / _gpu_share_file(rank)
+    if not params and not file.is_file():
         return
-    if saved is None or set(saved) != set(params):
+    device = next(iter(params.values())).device if params else "cpu"
+    saved = safe_load(file, map_location=device, mmap=True) if file.is_file() else None
+    if saved is None or saved["numel"] != {i: p.numel() for i, p in params.items()}:
         raise CheckpointError(
             f"{path}: its optimizer state was saved with another split between host and GPU "
-            f"({'none' if saved is None else len(saved)} sub-groups stepped on the GPU, this run {len(params)}): "
-            "resume with the parallel.offload_ratio (and parallel.zero_stage) it was saved with")
+            f"({'none' if saved is None else len(saved['numel'])} sub-groups stepped on the GPU, this run "
+            f"{len(params)}): resume with the parallel.offload_ratio (and parallel.zero_stage) it was saved with")
     backup = share[0]
     for i, p in params.items():
-        backup.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in saved[i].items()}
+        state = saved["state"].get(i)
+        if state is None:
+            backup.state.pop(p, None)  # saved before its first step
+        else:  # AdamW keeps its step count on the host (not fused, not capturable)
+            backup.state[p] = {k: v.cpu() if torch.is_tensor(v) and v.dim() == 0 else v for k, v in state.items()}
 
 
 def complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -278,9 +283,8 @@ class CheckpointManager:
             tmp.mkdir()
         _barrier()
         engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=self.trainable_only)
-        gpu_share = _gpu_share_state(engine)  # what DeepSpeed's own files leave out (gpu_share_optimizer)
-        torch.save({"rng": rng_state(), **rank_state, **({"gpu_share_optimizer": gpu_share} if gpu_share is not None else {})},
-                   tmp / f"rank_{self.rank:05d}.pt")
+        torch.save({"rng": rng_state(), **rank_state}, tmp / f"rank_{self.rank:05d}.pt")
+        _save_gpu_share(engine, tmp, self.rank)  # what DeepSpeed's own files leave out (gpu_share_optimizer)
         if self.rank == 0:
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
         _barrier()
@@ -478,6 +482,6 @@ class CheckpointManager:
         if not rank_file.is_file():
             raise ValueError(f"{path} has no state for rank {self.rank}: was it saved with a different world size?")
         rank_state = safe_load(rank_file)
-        _restore_gpu_share(engine, rank_state.pop("gpu_share_optimizer", None), path)
+        _restore_gpu_share(engine, path, self.rank)
         set_rng_state(rank_state.pop("rng"))
         return trainer_state, rank_state

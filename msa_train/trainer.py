@@ -31,6 +31,7 @@ from msa_train.loss import IGNORE_INDEX
 from msa_train.metrics import (MetricsLogger, PhaseTimer, log_on_rank_zero_only, model_flops_per_token,
                                peak_memory_gb, peak_tflops)
 from msa_train.parallel.distributed import bound_collectives
+from msa_train.parallel.engine import sync_gpu_share
 
 log = logging.getLogger(__name__)
 
@@ -792,6 +793,7 @@ class Trainer:
                 # after the boundary all-reduce and before the clipping step (a device tensor).
                 grad_norm = _grad_norm(self.module)
             with phase("step"):
+                sync_gpu_share(self.engine)  # a partial offload's GPU share follows the LR schedule
                 self.engine.step()
             sums = stats if sums is None else sums + stats
         return sums, grad_norm

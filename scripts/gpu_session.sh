@@ -41,7 +41,7 @@ for stage in $stages; do
       [ -f /tmp/e2e_report/points.jsonl ] || cp benchmarks/results/e2e/latest.json /tmp/e2e_report/latest.json
       timeout 590 python3 -m msa_train.bench report --out /tmp/e2e_report --max-minutes "${REPORT_MINUTES:-7}" \
         --models "${REPORT_MODELS:-llama3_8b,qwen3_14b,qwen25_32b}" --seq-lens "${REPORT_LENS:-65536,131072,262144}" \
-        --options "${REPORT_OPTIONS:-same,fastest}" --steps "${REPORT_STEPS:-5}" --warmup "${REPORT_WARMUP:-2}" \
+        --options "${REPORT_OPTIONS:-same,fastest}" --steps "${REPORT_STEPS:-4}" --warmup "${REPORT_WARMUP:-1}" \
         ${REPORT_DEPTHS:+--depths $REPORT_DEPTHS} 2>&1 | tail -20 | tee "$OUT/e2e_report.log"
       (cd /tmp/e2e_report && tar czf "$OUT/e2e_report.tgz" --ignore-failed-read latest.json latest.md latest.png points.jsonl) ;;
     plancheck)  # the memory planner against measured peaks (python -m msa_train.bench plan-check)

@@ -31,7 +31,8 @@ def build_deepspeed_config(parallel: ParallelConfig, train: TrainConfig, *, worl
             zero["offload_optimizer"]["ratio"] = parallel.offload_ratio
             # DeepSpeed puts the last `ratio` of the optimizer's sub-groups on the host, counting
             # sub-groups, not elements; its default of 1e9 elements a sub-group gives an 8B model eight,
-            # so the split would land on eighths. 1e8 lands within about 1% of the ratio.
+            # so the split would land on eighths. At 1e8 an 8B model has about 66, and the split lands
+            # within a few percent (the GPU's first sub-group is the 525M-element embedding's)
             zero["sub_group_size"] = PARTIAL_OFFLOAD_SUB_GROUP
     if parallel.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}

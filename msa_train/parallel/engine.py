@@ -124,3 +124,32 @@ class _DropMessage(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return self.fragment not in record.getMessage()
 
+
+
+def gpu_share_optimizer(engine):
+    """Under DeepSpeed's ZeRO-3 partial offload (``parallel.offload_ratio`` < 1) the optimizer's GPU
+    sub-groups are stepped by a second optimizer (its ``backup_optimizer``, torch's AdamW, built once
+    from the first's settings) that neither DeepSpeed's checkpoint (stage3.py's ``_rigid_state_dict``
+    saves the host optimizer's state only) nor its LR scheduler (it sets the host optimizer's groups)
+    reaches. Returns (that optimizer, {sub-group index: its fp32 partition}), or None without a
+    partial offload; the checkpoint saves its state and :func:`sync_gpu_share` its settings."""
+    opt = getattr(engine, "optimizer", None)
+    backup, devices = getattr(opt, "backup_optimizer", None), getattr(opt, "subgroup_to_device", None)
+    if backup is None or not devices:
+        return None
+    return backup, {i: opt.fp32_partitioned_groups_flat[i] for i, where in devices.items() if where != "cpu"}
+
+
+SYNCED = ("lr", "betas", "eps", "weight_decay")
+
+
+def sync_gpu_share(engine) -> None:
+    """Before a step: the GPU share's optimizer takes the host optimizer's learning rate (which the
+    schedule moves) and AdamW settings, group by group, so both shares train alike. Python only."""
+    share = gpu_share_optimizer(engine)
+    if share is None:
+        return
+    for mine, theirs in zip(share[0].param_groups, engine.optimizer.param_groups):
+        for key in SYNCED:
+            if key in theirs:
+                mine[key] = theirs[key]

@@ -59,7 +59,7 @@ TILE_TOKENS = 32768  # the ladder's parallel.tile_tokens (as in the recipes)
 # Host memory of a training process besides what it offloads (torch's and CUDA's libraries, the
 # tokenizer and data, DeepSpeed's staging buffers), GiB per rank, counted when the host's fit is
 # checked: a 32-layer Llama-3-8B run whose offloaded optimizer state the planner puts at 119.7 GiB was
-# killed by the host's OOM killer (benchmarks/results/e2e/latest.json) on an H100 machine with 124.4
+# killed by the host's OOM killer (benchmarks/results/e2e/h100.md) on an H100 machine with 124.4
 # GiB available (MemAvailable, read in the same device call).
 HOST_PROCESS_GB = 6.0
 # The host shares of the optimizer state that the ladder tries under ZeRO-3 (parallel.offload_ratio)

@@ -1,6 +1,7 @@
 """ZeRO-3 with a part of the optimizer state on the GPU (``parallel.offload_ratio`` < 1): DeepSpeed
-steps those sub-groups with a second optimizer whose state its own checkpoint leaves out; ours saves
-it, so a resume is exact.
+steps those sub-groups with a second optimizer whose state its own checkpoint leaves out and whose
+learning rate its scheduler does not move; ours saves that state, so a resume is exact, and the
+trainer passes it the rate before each step.
 
 On a CPU DeepSpeed's accelerator is the CPU, so every sub-group counts as the host's and its second
 optimizer never runs. The tests mark sub-groups as the GPU's after DeepSpeed builds them, as a GPU
@@ -11,8 +12,9 @@ import pytest
 import torch
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from msa_train.checkpoint import CheckpointError, gpu_share_optimizer
+from msa_train.checkpoint import CheckpointError
 from msa_train.parallel import deepspeed_config
+from msa_train.parallel.engine import gpu_share_optimizer
 from tests.msa_train._util import FAST, compose, read_metrics
 
 PARTIAL = ["attention=full", "train.seq_len=128", "parallel=zero3", "parallel.offload_optimizer=true",
@@ -47,7 +49,12 @@ def _trainer(args):
 def test_a_partial_offload_resumes_exactly(tmp_path, on_gpu):
     whole = _trainer([*PARTIAL, "train.steps=4", "train.save_every=2", f"train.output_dir={tmp_path / 'a'}"])
     whole.train()
-    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "a") if "loss" in r}
+    records = [r for r in read_metrics(tmp_path / "a") if "loss" in r]
+    losses = {r["step"]: r["loss"] for r in records}
+    # the GPU share followed the schedule (DeepSpeed's scheduler sets only the host optimizer's rate)
+    assert records[-1]["lr"] < records[0]["lr"]
+    assert [g["lr"] for g in gpu_share_optimizer(whole.engine)[0].param_groups] == pytest.approx(
+        [records[-1]["lr"]] * len(whole.engine.optimizer.param_groups))
     resumed = _trainer([*PARTIAL, "train.steps=4", f"train.output_dir={tmp_path / 'b'}",
                         f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_000002'}"])
     backup, params = gpu_share_optimizer(resumed.engine)

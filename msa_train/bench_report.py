@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -74,12 +75,12 @@ def _arm_rank(attention: str) -> int:
     return ARMS.index(attention) if attention in ARMS else len(ARMS)
 
 
-def planner_verdict(overrides: List[str]) -> Optional[str]:
+def planner_verdict(overrides: List[str], host_gb: Optional[float] = None) -> Optional[str]:
     """None where the planner predicts that ``overrides`` (on recipe llama3_8b_64k) fit this machine's
-    GPU and the host memory available now, else why not."""
+    GPU and ``host_gb`` of host memory (default: what is available now), else why not."""
     from msa_train.parallel.planner import host_available_gb
 
-    plan = _plan(overrides, host_limit_gb=host_available_gb())
+    plan = _plan(overrides, host_limit_gb=host_available_gb() if host_gb is None else host_gb)
     if plan.fits:
         return None
     return (f"predicted not to fit: {plan.peak_gb:.1f} of {plan.gpu_gb:.0f} GiB per GPU, "
@@ -517,16 +518,20 @@ def report(argv: Sequence[str]) -> List[Dict]:
     depths = [int(x) for x in args.depths.split(",")] if args.depths else None
     points = grid(models, [int(x) for x in args.seq_lens.split(",")], depths, args.options.split(","))
     work = out / "runs"
-    rows = run_grid(points, out / "points.jsonl",
-                    lambda pt: measure_point(pt, args.steps, args.warmup, args.timeout, work, device),
-                    None if args.max_minutes is None else args.max_minutes * 60, timeout=args.timeout, steps=args.steps)
-    table = summarise_rows(rows, _shapes(models, peak))
     from msa_train.parallel.planner import host_available_gb
 
+    # the host memory every verdict of this run weighs, read once before any point runs: the arms of a
+    # point then get the same host share of the optimizer state (host_share_options)
+    host_gb = host_available_gb()
+    rows = run_grid(points, out / "points.jsonl",
+                    lambda pt: measure_point(pt, args.steps, args.warmup, args.timeout, work, device,
+                                             verdict=functools.partial(planner_verdict, host_gb=host_gb)),
+                    None if args.max_minutes is None else args.max_minutes * 60, timeout=args.timeout, steps=args.steps)
+    table = summarise_rows(rows, _shapes(models, peak))
     write_report(table, out, {"device": device, "points": len(rows), "grid": len(points),
                               "steps": args.steps, "warmup": args.warmup,
                               # the host memory the planner's skips weighed (none when only summarising)
-                              "host_available_gb": round(host_available_gb(), 1) if torch.cuda.is_available() else None,
+                              "host_available_gb": round(host_gb, 1) if torch.cuda.is_available() else None,
                               "measured": sorted(rows.values(), key=lambda r: r["key"])})
     print((out / "latest.md").read_text())
     return table

@@ -263,6 +263,9 @@ def test_the_planner_verdict_weighs_the_host_memory_available_now(monkeypatch):
                                              "train.seq_len=65536", "train.plan_gpu_gb=141"])
 
     assert verdict(16, 110.0) is None
+    point = Point("llama3_8b", "full", 65536, 32, "same")  # a host figure given (the report's, read once) wins
+    assert bench_report.planner_verdict([*bench_report.point_overrides(point), "attention=full", "train.seq_len=65536",
+                                         "train.plan_gpu_gb=141"], host_gb=500.0) is None
     why = verdict(32, 110.0)
     assert why.startswith("predicted not to fit") and "of 110 GiB of host memory" in why
     assert verdict(32, 500.0) is None

@@ -382,11 +382,11 @@ def host_share_options(point: Point, opts: Sequence[str],
     state outgrows the host (Llama-3-8B's 32 layers on a 125 GiB host) still trains at full depth.
 
     ``same``: the largest host share that fits every arm, so the three arms run the same options and
-    the GPU keeps the most room. ``fastest``: the arm's fastest share, the smallest on the host
-    (the 32-layer points' host step, cpu_adam and the copies, took 4.4-4.9 s for 6.4-6.6e9 parameters on
-    the H200 machine's 16 cores, about a third of fmsa's step), kept ``FASTEST_SHARE_MARGIN`` above the smallest the planner fits on the GPU, whose peak has
-    measured up to 8.5% under the real one. Without a share that fits, ``opts`` (which the verdict
-    then skips)."""
+    the GPU keeps the most room. ``fastest``: the arm's fastest share, the smallest on the host (the
+    32-layer points' host step, cpu_adam and the copies, took 4.4-4.9 s for 6.4-6.6e9 parameters on
+    the H200 machine's 16 cores, about a third of fmsa's step), kept ``FASTEST_SHARE_MARGIN`` above
+    the smallest the planner fits on the GPU, whose peak has measured up to 8.5% under the real one.
+    Without a share that fits, ``opts`` (which the verdict then skips)."""
     if "parallel.offload_optimizer=true" not in opts:
         return tuple(opts)
     arms = ARMS if point.options == "same" else (point.attention,)

@@ -125,6 +125,10 @@ class _DropMessage(logging.Filter):
         return self.fragment not in record.getMessage()
 
 
+def _gpu_share_stepper(engine):
+    """DeepSpeed's second optimizer under a ZeRO-3 partial offload (its ``backup_optimizer``), or None."""
+    return getattr(getattr(engine, "optimizer", None), "backup_optimizer", None)
+
 
 def gpu_share_optimizer(engine):
     """Under DeepSpeed's ZeRO-3 partial offload (``parallel.offload_ratio`` < 1) the optimizer's GPU
@@ -133,11 +137,12 @@ def gpu_share_optimizer(engine):
     saves the host optimizer's state only) nor its LR scheduler (it sets the host optimizer's groups)
     reaches. Returns (that optimizer, {sub-group index: its fp32 partition}), or None without a
     partial offload; the checkpoint saves its state and :func:`sync_gpu_share` its settings."""
-    opt = getattr(engine, "optimizer", None)
-    backup, devices = getattr(opt, "backup_optimizer", None), getattr(opt, "subgroup_to_device", None)
-    if backup is None or not devices:
+    backup = _gpu_share_stepper(engine)
+    devices = getattr(engine.optimizer, "subgroup_to_device", None) if backup is not None else None
+    if not devices:
         return None
-    return backup, {i: opt.fp32_partitioned_groups_flat[i] for i, where in devices.items() if where != "cpu"}
+    flat = engine.optimizer.fp32_partitioned_groups_flat
+    return backup, {i: flat[i] for i, where in devices.items() if where != "cpu"}
 
 
 SYNCED = ("lr", "betas", "eps", "weight_decay")
@@ -145,11 +150,12 @@ SYNCED = ("lr", "betas", "eps", "weight_decay")
 
 def sync_gpu_share(engine) -> None:
     """Before a step: the GPU share's optimizer takes the host optimizer's learning rate (which the
-    schedule moves) and AdamW settings, group by group, so both shares train alike. Python only."""
-    share = gpu_share_optimizer(engine)
-    if share is None:
+    schedule moves) and AdamW settings, group by group, so both shares train alike. Python only,
+    over the optimizer's few parameter groups."""
+    backup = _gpu_share_stepper(engine)
+    if backup is None:
         return
-    for mine, theirs in zip(share[0].param_groups, engine.optimizer.param_groups):
+    for mine, theirs in zip(backup.param_groups, engine.optimizer.param_groups):
         for key in SYNCED:
             if key in theirs:
                 mine[key] = theirs[key]

@@ -46,7 +46,9 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from msa_train.parallel.deepspeed_config import PARTIAL_OFFLOAD_SUB_GROUP
 
 GiB = 2 ** 30
 H200_GB = 139.0  # usable device memory of one H200 (torch.cuda.mem_get_info on an idle one), GiB
@@ -80,6 +82,9 @@ class ModelShape:
     qk_norm: bool = False  # Qwen3: RMSNorms over every q and k head
     trainable: Optional[int] = None  # LoRA, nsa_phi=mean: the parameters that train (gradients, optimizer state); None: all
     head_trains: bool = True  # the LM head has a weight gradient (LoRA freezes it)
+    # the trained parameters' sizes in the order DeepSpeed receives them (one parameter group): a
+    # partial offload splits the optimizer state by sub-groups of them (host_share); () = unknown
+    trained_numels: Tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, model_cfg, attention_cfg) -> "ModelShape":
@@ -100,10 +105,11 @@ class ModelShape:
             from msa_train.models import phi_parameters
 
             trainable = (params if trainable is None else trainable) - sum(p.numel() for p in phi_parameters(model))
+        numels = () if trainable is not None else tuple(p.numel() for p in model.parameters() if p.requires_grad)
         return cls(params=params, hidden=config.hidden_size, intermediate=config.intermediate_size,
                    layers=config.num_hidden_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                    vocab=config.vocab_size, qk_norm=config.model_type == "qwen3", trainable=trainable,
-                   head_trains=not model_cfg.lora.enabled)
+                   head_trains=not model_cfg.lora.enabled, trained_numels=numels)
 
 
 @dataclass(frozen=True)
@@ -203,11 +209,36 @@ def rank_heads(heads: int, kv_heads: int, sp_degree: int) -> Tuple[int, int]:
 
 
 # ----------------------------------------------------------------------- model state
+def host_share(numels: Sequence[int], ratio: float, world_size: int = 1,
+               sub_group: int = PARTIAL_OFFLOAD_SUB_GROUP) -> float:
+    """The fraction of the optimizer state's elements that DeepSpeed's ZeRO-3 partial offload puts
+    on the host for ``parallel.offload_ratio`` = ``ratio``. DeepSpeed splits by sub-groups, not
+    elements (stage3.py, DeepSpeed 0.19): it cuts each rank's partitions, in order, into sub-groups
+    that close once they reach ``sub_group`` elements, gives the first ``int((1 - ratio) * n)`` of
+    the n sub-groups to the GPU and the rest to the host. Llama-3-8B's embedding (525M elements)
+    is a sub-group of its own, the first, so at ``ratio`` 0.8 the host holds 0.77 of the state.
+    ``ratio`` itself where ``numels`` is empty (the sizes unknown)."""
+    parts = [-(-n // max(1, world_size)) for n in numels]
+    if not parts or ratio >= 1:
+        return ratio
+    groups, cur = [], 0
+    for n in parts:
+        cur += n
+        if cur >= sub_group:
+            groups.append(cur)
+            cur = 0
+    if cur:
+        groups.append(cur)
+    first_host = int((1 - ratio) * len(groups))
+    return sum(groups[first_host:]) / sum(groups)
+
+
 def model_state_bytes(params: int, opt: Options, world_size: int, bf16: bool = True,
-                      trainable: Optional[int] = None) -> Dict[str, float]:
+                      trainable: Optional[int] = None, trained_numels: Sequence[int] = ()) -> Dict[str, float]:
     """Bytes per rank of parameters, gradients, optimizer state and the step's fp32 gradients, and
     of what is offloaded to the host (``host_*``). ``trainable`` (LoRA, nsa_phi=mean): the parameters that have
-    gradients and optimizer state; None: all ``params``."""
+    gradients and optimizer state; None: all ``params``. ``trained_numels``: their sizes in order,
+    for a partial offload's real split (:func:`host_share`)."""
     n = max(1, world_size)
     t = params if trainable is None else trainable
     if not bf16:  # fp32 weights, torch AdamW moments, no master copy
@@ -224,7 +255,7 @@ def model_state_bytes(params: int, opt: Options, world_size: int, bf16: bool = T
         # DeepSpeed's CPU offload copies each reduced gradient partition straight into the host's fp32
         # buffer (the step's fp32 gradients): the device keeps no gradient partition (plan-check: the
         # 16-layer 64K point measured 31.2 GiB, 8.4 GiB of bf16 gradients below the plan that kept them)
-        r = opt.offload_ratio if z == 3 else 1.0
+        r = host_share(trained_numels, opt.offload_ratio, n) if z == 3 else 1.0
         state = out["optimizer_state"] + out["step_fp32_gradients"]
         out["host_optimizer"] = r * state
         if z == 3:
@@ -353,7 +384,7 @@ def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[st
 def predict(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H200_GB,
             host_limit_gb: Optional[float] = None) -> Plan:
     """The per-GPU peak of one configuration (no ladder; see :func:`plan`)."""
-    state = model_state_bytes(shape.params, opt, work.world_size, work.bf16, shape.trainable)
+    state = model_state_bytes(shape.params, opt, work.world_size, work.bf16, shape.trainable, shape.trained_numels)
     act = activation_bytes(shape, opt, work)
     gathered = 0.0
     if opt.zero_stage == 3:  # one layer's parameters gathered whole (bf16) while it runs, and its gradients

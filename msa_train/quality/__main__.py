@@ -49,12 +49,15 @@ def main(argv=None) -> int:
                            help="study C: train study A's dense and NSA models on synthetic retrieval documents "
                                 "alone (answers only) for STEPS steps, then evaluate them (default: not run)")
             s.add_argument("--retrieval-phase-lengths", default=None, metavar="N,N,...",
-                           help="study C's document lengths in tokens, drawn uniformly (default 256,512,1024,2048; "
+                           help="study C's document lengths in tokens, drawn uniformly (default 256,512; "
                                 "each at most 4094, its 4K sequence less BOS/EOS)")
             s.add_argument("--retrieval-phase-questions", type=int, default=None, metavar="TOKENS",
                            help="study C's documents ask one question per TOKENS tokens, up to 48; 0 (default): "
                                 "one question a document, so no question has another's needles as distractors")
             s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 5e-4)")
+            s.add_argument("--retrieval-phase-copies", type=float, default=None, metavar="FRACTION",
+                           help="the fraction of study C's documents that are copy documents, a span of real text "
+                                "repeated and its repeat trained (default 0.5; 0: retrieval documents alone)")
         s.add_argument("--steps", type=int, default=None,
                        help="study A's optimizer steps (default: the recipe's); study B runs a tenth of them. "
                             "Give the same value to every invocation of one study")
@@ -101,6 +104,10 @@ def main(argv=None) -> int:
         if not args.retrieval_phase_lr > 0:
             raise SystemExit(f"--retrieval-phase-lr {args.retrieval_phase_lr}: expected a learning rate > 0")
         plan = dataclasses.replace(plan, retrieval_phase_lr=args.retrieval_phase_lr)
+    if getattr(args, "retrieval_phase_copies", None) is not None:
+        if not 0 <= args.retrieval_phase_copies < 1:
+            raise SystemExit(f"--retrieval-phase-copies {args.retrieval_phase_copies}: expected a fraction in [0, 1)")
+        plan = dataclasses.replace(plan, retrieval_phase_copy_fraction=args.retrieval_phase_copies)
     if getattr(args, "mean_phi_arm", False):
         plan = dataclasses.replace(plan, mean_phi_arm=True)
     if args.command == "report":

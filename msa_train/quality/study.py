@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import random
 import os
 import signal
 import threading
@@ -69,7 +70,14 @@ class Plan:
     # 512 tokens the probe with three a document (each the others' distractors) reached 20% of
     # answer tokens in 5,000 steps, with one 36%, though three train three times the answers a step
     retrieval_phase_seq_len: int = 4096
-    retrieval_phase_lengths: List[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
+    retrieval_phase_lengths: List[int] = field(default_factory=lambda: [256, 512])
+    # the tasks of study C's documents: the probe's three, whose questions repeat their needle's words
+    # (the evaluation still asks all five)
+    retrieval_phase_tasks: List[str] = field(default_factory=lambda: ["passkey", "single_needle", "multi_key"])
+    # the fraction of study C's documents that are copy documents (tasks.copy_records): in the CPU
+    # probe, half of every batch copies of real text brought the retrieval phase change from none by
+    # 3,000 steps to 1,500-1,750 (the sixth run's first change; 0 for the fifth run's phase)
+    retrieval_phase_copy_fraction: float = 0.5
     retrieval_phase_tokens_per_query: int = 0  # one question per this many tokens, at most mix_max_queries (0: one)
     retrieval_phase_lr: float = 5e-4
     retrieval_phase_warmup: int = 20
@@ -107,6 +115,7 @@ class Plan:
                      "eval.retrieval_depths=2", "eval.retrieval_probes=1", "eval.retrieval_generate=1"],
                     mix_fraction=0.05, mix_tasks=["passkey", "single_needle"], mix_lengths=[256], mix_tokens_per_query=0,
                     haystack_tokens=20_000, seq_len=256, retrieval_phase_seq_len=256, retrieval_phase_lengths=[256],
+                    retrieval_phase_tasks=["passkey", "single_needle"],
                     conversion_steps=2, conversion_warmup=1, distill_steps=3,
                     min_piece_s=0.0, eval_reserve_s=0.0)
 
@@ -156,13 +165,13 @@ def _jobs_c(plan: Plan, work: Path) -> Dict[str, List[str]]:
 
 def _jobs_all(plan: Plan, work: Path) -> List[Dict[str, List[str]]]:
     """``all``'s jobs, most important first, in two stages (the second starts from the first's
-    models): study A's dense and NSA arms; then study B, the second dense seed (what the issue's
-    report needs: the fifth run put study C first and its budget ended before the seed), study C
-    (when asked for) and the mean-pooling NSA arm."""
+    models): study A's dense and NSA arms; then study C when asked for (retrieval is what no run has
+    shown yet; the fifth run's budget ended before the second seed, whose spread earlier runs
+    measured), study B, the second dense seed and the mean-pooling NSA arm."""
     a = _jobs_a(plan, work)
     first = {k: a.pop(k) for k in ("a_full", "a_fmsa")}
     mean_phi = {k: a.pop(k) for k in ("a_fmsa_mean_phi",) if k in a}
-    return [first, {**_jobs_b(plan, work), **a, **_jobs_c(plan, work), **mean_phi}]
+    return [first, {**_jobs_c(plan, work), **_jobs_b(plan, work), **a, **mean_phi}]
 
 
 def _tokenizer(work: Path):
@@ -225,14 +234,15 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     retrieval documents alone, answers only, enough for ``plan.retrieval_phase_steps`` sequences of
     ``plan.retrieval_phase_seq_len`` tokens, from a seed space of their own (``train-mix/retrieval-phase``) and the
     mix's haystack of training text; ``retrieval_phase.json`` beside it counts them. Written once."""
-    from msa_train.quality.tasks import Haystack, training_records
+    from msa_train.quality.tasks import Haystack, copy_records, training_records
 
     if not plan.retrieval_phase_steps:
         return None
     out = work / "data" / "retrieval_phase.jsonl"
     lengths = list(plan.retrieval_phase_lengths)
     spec = {"steps": plan.retrieval_phase_steps, "lengths": lengths,
-            "tokens_per_question": plan.retrieval_phase_tokens_per_query}
+            "tokens_per_question": plan.retrieval_phase_tokens_per_query, "tasks": list(plan.retrieval_phase_tasks),
+            "copy_fraction": plan.retrieval_phase_copy_fraction}
     if out.is_file():
         written = json.loads((work / "data" / "retrieval_phase.json").read_text())
         differ = {k: v for k, v in spec.items() if written.get(k) != v}
@@ -243,14 +253,17 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
         return out
     tok = _tokenizer(work)
     count = math.ceil(plan.retrieval_phase_steps * plan.retrieval_phase_seq_len / (sum(lengths) / len(lengths)))
-    hay = _haystack(plan, tok, _training_documents(work))
-    records = training_records(plan.mix_tasks, tok, Haystack(hay, tok), lengths, count,
+    haystack = Haystack(_haystack(plan, tok, _training_documents(work)), tok)
+    copies = round(plan.retrieval_phase_copy_fraction * count)
+    records = training_records(plan.retrieval_phase_tasks, tok, haystack, lengths, count - copies,
                                seed="retrieval-phase", tokens_per_query=plan.retrieval_phase_tokens_per_query,
                                max_queries=plan.mix_max_queries)
     questions = sum(sum(x["train"] for x in r["segments"]) for r in records)
+    records += copy_records(tok, haystack, lengths, copies, seed="retrieval-phase")
+    random.Random("retrieval-phase/order").shuffle(records)  # copies and questions mixed through every step
     write_jsonl(out, records)
     (work / "data" / "retrieval_phase.json").write_text(json.dumps({
-        **spec, "documents": count, "questions": questions, "tasks": plan.mix_tasks,
+        **spec, "documents": count, "copy_documents": copies, "questions": questions,
         "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr, "targets": "answers",
         "seed_space": "train-mix/retrieval-phase (evaluation probes: eval)"}, indent=2))
     return out

@@ -403,3 +403,27 @@ def training_records(tasks: Sequence[str], tokenizer, haystack: Haystack, length
         out.append({"segments": [{"text": tokenizer.decode(ids[a:b]), "train": trained[a]}
                                  for a, b in zip(cuts[:-1], cuts[1:])]})
     return out
+
+
+def copy_records(tokenizer, haystack: Haystack, lengths: Sequence[int], count: int, seed: str) -> List[Dict[str, Any]]:
+    """``count`` copy documents as pretraining records for study C: a span S of real text (a
+    quarter to a half of the document's length, from ``haystack``), more text, then S again; only S's
+    second copy trains, so its trained tokens are predictable by finding the first copy and copying on
+    (an induction head, which answering a needle's question also is: the question repeats the
+    needle's words and the value follows them). Each copy is a segment of its own, so the data
+    pipeline tokenises both alike; the repeat's first token trains too, though nothing predicts it.
+
+    Measured on the CPU retrieval probe (benchmarks/results/probes/results.md#copy_documents): half
+    of every batch copy documents, half retrieval documents, moved the retrieval phase change from
+    not by 3,000 steps to 1,500-1,750 steps; copies of random tokens taught nothing in 3,000."""
+    rng = random.Random(f"train-copy/{seed}")
+    out = []
+    for _ in range(count):
+        n = rng.choice(list(lengths))
+        span = rng.randint(n // 4, n // 2)
+        s = haystack.window(rng, span, anywhere=True)
+        filler = haystack.window(rng, n - 2 * span, anywhere=True)
+        text = tokenizer.decode(s)
+        out.append({"segments": [{"text": text, "train": False}, {"text": tokenizer.decode(filler), "train": False},
+                                 {"text": text, "train": True}]})
+    return out

@@ -39,7 +39,7 @@ def test_study_b_defaults_to_a_tenth_of_the_recipes_steps():
     assert recipe.train.steps == RECIPE_STEPS and Plan.gpu().conversion_steps == RECIPE_STEPS // 10
 
 
-def test_all_runs_study_a_first_then_b_and_the_seed_then_the_retrieval_phase(tmp_path):
+def test_all_runs_study_a_first_then_the_retrieval_phase_then_b_and_the_seed(tmp_path):
     from msa_train.quality.study import _jobs_all
 
     plan = Plan.gpu()
@@ -47,7 +47,7 @@ def test_all_runs_study_a_first_then_b_and_the_seed_then_the_retrieval_phase(tmp
         ["a_full", "a_fmsa"], ["b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1"]]  # no phase unless asked
     plan = dataclasses.replace(plan, retrieval_phase_steps=300, mean_phi_arm=True)
     first, second = _jobs_all(plan, tmp_path)
-    assert list(second) == ["b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1", "c_full", "c_fmsa", "a_fmsa_mean_phi"]
+    assert list(second) == ["c_full", "c_fmsa", "b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1", "a_fmsa_mean_phi"]
     for arm in ("full", "fmsa"):
         job = second[f"c_{arm}"]
         assert f"model.path={tmp_path / 'runs' / f'a_{arm}' / 'hf'}" in job and f"attention={arm}" in job
@@ -141,8 +141,13 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     assert list(json.loads((work / "state.json").read_text()))[-2:] == ["c_full", "c_fmsa"]
     data = json.loads((work / "data" / "retrieval_phase.json").read_text())
     records = [json.loads(line) for line in (work / "data" / "retrieval_phase.jsonl").read_text().splitlines()]
-    assert len(records) == data["documents"] == 2 and data["questions"] == 2  # two 256-token sequences, one each
-    assert all([x["train"] for x in r["segments"]] == [False, True] for r in records)
+    # two 256-token sequences: one retrieval document (one question) and one copy document
+    assert len(records) == data["documents"] == 2 and data["questions"] == 1 and data["copy_documents"] == 1
+    assert data["copy_fraction"] == 0.5 and data["tasks"] == ["passkey", "single_needle"]
+    kinds = sorted([x["train"] for x in r["segments"]] for r in records)
+    assert kinds == [[False, False, True], [False, True]]  # the copy: span, text, the span again (trained)
+    copy = next(r["segments"] for r in records if len(r["segments"]) == 3)
+    assert copy[0]["text"] == copy[2]["text"] and len(copy[2]["text"]) > 40
     phase = json.loads((out / "summary.json").read_text())["retrieval_phase"]
     for arm in ("full", "fmsa"):
         assert phase[arm]["done"] and phase[arm]["tokens"] == 2 * 256 and phase[arm]["final_eval_loss"] > 0
@@ -164,7 +169,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
               "--retrieval-phase-lengths", "128", "--retrieval-phase-questions", "128"])
     for bad in (["--retrieval-phase-lengths", "128,x"], ["--retrieval-phase-lengths", "4096"],
-                ["--retrieval-phase-questions", "-1"], ["--retrieval-phase-lr", "0"]):
+                ["--retrieval-phase-questions", "-1"], ["--retrieval-phase-lr", "0"], ["--retrieval-phase-copies", "1"]):
         with pytest.raises(SystemExit, match=bad[0]):
             main(["study-c", "--work", str(work), "--tiny", "--retrieval-phase", "2", *bad])
     with pytest.raises(SystemExit):  # argparse: study-c needs --retrieval-phase

@@ -159,3 +159,28 @@ def test_answers_only_training_records_train_exactly_the_answers(hay, tmp_path):
         got.append(tok.decode(ids[trained]))
     assert sorted(got) == sorted("".join(x["text"] for x in r["segments"] if x["train"]) + tok.eos_token
                                  for r in records)
+
+
+def test_copy_records_repeat_a_span_of_text_and_train_only_the_repeat(hay, tmp_path):
+    """A copy document is a span of real text, more text, the span again; through the data pipeline
+    only the repeat trains (and the EOS after it), and its tokens are those of the first copy, which
+    occurs once before it: copying from there predicts every trained token but the first."""
+    from msa_train.data import IGNORE_INDEX, DataConfig, build_packed_dataset
+    from msa_train.quality.tasks import copy_records
+
+    tok, haystack = hay
+    records = copy_records(tok, haystack, [256, 384], 6, seed="t")
+    assert records == copy_records(tok, haystack, [256, 384], 6, seed="t")  # seeded
+    assert all([x["train"] for x in r["segments"]] == [False, False, True] for r in records)
+    path = tmp_path / "copies.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ds = build_packed_dataset(DataConfig(format="pretrain", path=str(path)), tok, 512)
+    assert len(ds) == 6
+    for i in range(len(ds)):
+        labels, ids = ds[i]["labels"], ds[i]["input_ids"]
+        trained = (labels != IGNORE_INDEX).nonzero().flatten().tolist()[:-1]  # the EOS after the document trains too
+        n = int((ids != tok.pad_token_id).sum())
+        assert 256 // 4 - 8 <= len(trained) <= n // 2 + 8 and trained == list(range(trained[0], trained[-1] + 1))
+        repeat, before = ids[trained[0]:trained[-1] + 1].tolist(), ids[:trained[0]].tolist()
+        hits = [j for j in range(len(before) - len(repeat) + 1) if before[j:j + len(repeat)] == repeat]
+        assert len(hits) == 1 and hits[0] <= 1, (i, hits)  # at the start (after BOS, where the recipe adds one)

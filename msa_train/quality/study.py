@@ -75,8 +75,9 @@ class Plan:
     # (the evaluation still asks all five)
     retrieval_phase_tasks: List[str] = field(default_factory=lambda: ["passkey", "single_needle", "multi_key"])
     # the fraction of study C's documents that are copy documents (tasks.copy_records): in the CPU
-    # probe, half of every batch copies of real text brought the retrieval phase change from none by
-    # 3,000 steps to 1,500-1,750; 0 gives retrieval documents alone, as the fifth run's study C had
+    # probe, half of every batch copies of real text brought the retrieval phase change to 1,750-2,250
+    # steps (three seeds of three; none of three without, by 3,000); 0 gives retrieval documents
+    # alone, as the fifth run's study C had
     retrieval_phase_copy_fraction: float = 0.5
     retrieval_phase_tokens_per_query: int = 0  # one question per this many tokens, at most mix_max_queries (0: one)
     retrieval_phase_lr: float = 5e-4

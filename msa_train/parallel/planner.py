@@ -95,7 +95,7 @@ class ModelShape:
         config = model.config
         heads, kv_heads, head_dim = _head_dims(config)
         params = sum(p.numel() for p in model.parameters())  # tied ones once, as count_parameters
-        trainable = None
+        trainable, frozen = None, set()
         if model_cfg.lora.enabled:
             from msa_train.models.lora import count_trainable
 
@@ -104,8 +104,11 @@ class ModelShape:
         if model_cfg.nsa_phi == "mean" and not (model_cfg.lora.enabled and model_cfg.lora.nsa == "freeze"):
             from msa_train.models import phi_parameters
 
+            frozen = {id(p) for p in phi_parameters(model)}
             trainable = (params if trainable is None else trainable) - sum(p.numel() for p in phi_parameters(model))
-        numels = () if trainable is not None else tuple(p.numel() for p in model.parameters() if p.requires_grad)
+        # LoRA's adapters are not in the meta model: their order is unknown, so its share stays the ratio
+        numels = () if model_cfg.lora.enabled else tuple(p.numel() for p in model.parameters()
+                                                        if p.requires_grad and id(p) not in frozen)
         return cls(params=params, hidden=config.hidden_size, intermediate=config.intermediate_size,
                    layers=config.num_hidden_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                    vocab=config.vocab_size, qk_norm=config.model_type == "qwen3", trainable=trainable,
@@ -118,7 +121,7 @@ class Options:
     ladder can try combinations; :meth:`overrides` spells them as command-line overrides."""
     zero_stage: int = 0
     offload_optimizer: bool = False
-    offload_ratio: float = 1.0     # the optimizer state's share on the host (< 1: ZeRO-3's partial offload)
+    offload_ratio: float = 1.0     # parallel.offload_ratio (< 1: ZeRO-3's partial offload; the host's real share: host_share)
     offload_params: bool = False
     activation_checkpointing: bool = False
     offload_activations: bool = False
@@ -216,7 +219,8 @@ def host_share(numels: Sequence[int], ratio: float, world_size: int = 1,
     elements (stage3.py, DeepSpeed 0.19): it cuts each rank's partitions, in order, into sub-groups
     that close once they reach ``sub_group`` elements, gives the first ``int((1 - ratio) * n)`` of
     the n sub-groups to the GPU and the rest to the host. Llama-3-8B's embedding (525M elements)
-    is a sub-group of its own, the first, so at ``ratio`` 0.8 the host holds 0.77 of the state.
+    is a sub-group of its own, the first, so at ``ratio`` 0.8 on one GPU the host holds 0.773 of
+    the state (on 8 ranks each rank's sub-groups are fewer: 0.895, and at 0.9 all of it).
     ``ratio`` itself where ``numels`` is empty (the sizes unknown)."""
     parts = [-(-n // max(1, world_size)) for n in numels]
     if not parts or ratio >= 1:

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         if name in ("study-c", "all"):
             s.add_argument("--retrieval-phase", type=int, default=None, metavar="STEPS", required=name == "study-c",
                            help="study C: train study A's dense and NSA models on synthetic retrieval documents "
-                                "alone (answers only) for STEPS steps, then evaluate them (default: not run)")
+                                "(answers only) and copy documents for STEPS steps, then evaluate them (default: not run)")
             s.add_argument("--retrieval-phase-lengths", default=None, metavar="N,N,...",
                            help="study C's document lengths in tokens, drawn uniformly (default 256,512; "
                                 "each at most 4094, its 4K sequence less BOS/EOS)")

@@ -45,9 +45,10 @@ def test_a_partial_offload_splits_the_optimizer_state_between_host_and_gpu(ratio
 
 
 def test_host_share_counts_deepspeeds_sub_groups_not_elements():
-    """DeepSpeed splits a partial offload by sub-groups: its own grouping (stage3.py) of parameters
-    of hand-picked sizes, and its rule (the first int((1 - r) n) sub-groups on the GPU), give the
-    planner's host share, on one rank and on two (each rank's partition, rounded up)."""
+    """DeepSpeed splits a partial offload by sub-groups: its own grouping (stage3.py's
+    _create_fp16_sub_groups) of parameters of hand-picked sizes, with its placement rule (the first
+    int((1 - r) n) sub-groups on the GPU) and partition size (rounded up), restated here from
+    stage3.py and partition_parameters.py, give the planner's host share on one rank and on two."""
     import types
 
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3

@@ -104,8 +104,9 @@ class ModelShape:
         if model_cfg.nsa_phi == "mean" and not (model_cfg.lora.enabled and model_cfg.lora.nsa == "freeze"):
             from msa_train.models import phi_parameters
 
-            frozen = {id(p) for p in phi_parameters(model)}
-            trainable = (params if trainable is None else trainable) - sum(p.numel() for p in phi_parameters(model))
+            phi = list(phi_parameters(model))
+            frozen = {id(p) for p in phi}
+            trainable = (params if trainable is None else trainable) - sum(p.numel() for p in phi)
         # LoRA's adapters are not in the meta model: their order is unknown, so its share stays the ratio
         numels = () if model_cfg.lora.enabled else tuple(p.numel() for p in model.parameters()
                                                         if p.requires_grad and id(p) not in frozen)

@@ -15,8 +15,8 @@ import dataclasses
 import json
 import logging
 import math
-import random
 import os
+import random
 import signal
 import threading
 import time
@@ -232,9 +232,10 @@ def prepare_mix(plan: Plan, work: Path) -> Path:
 
 def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     """``<work>/data/retrieval_phase.jsonl`` for study C (None when it is not run): synthetic
-    retrieval documents (answers trained) and copy documents (their repeat trained), enough for ``plan.retrieval_phase_steps`` sequences of
-    ``plan.retrieval_phase_seq_len`` tokens, from a seed space of their own (``train-mix/retrieval-phase``) and the
-    mix's haystack of training text; ``retrieval_phase.json`` beside it counts them. Written once."""
+    retrieval documents (answers trained) and copy documents (their repeat trained), enough for
+    ``plan.retrieval_phase_steps`` sequences of ``plan.retrieval_phase_seq_len`` tokens, from a seed
+    space of their own (``train-mix/retrieval-phase``) and the mix's haystack of training text;
+    ``retrieval_phase.json`` beside it counts them. Written once."""
     from msa_train.quality.tasks import Haystack, copy_records, training_records
 
     if not plan.retrieval_phase_steps:
@@ -265,7 +266,8 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     write_jsonl(out, records)
     (work / "data" / "retrieval_phase.json").write_text(json.dumps({
         **spec, "documents": count, "copy_documents": copies, "questions": questions,
-        "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr, "targets": "answers of the questions, repeats of the copies",
+        "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr,
+        "targets": "answers of the questions, repeats of the copies",
         "seed_space": "train-mix/retrieval-phase (evaluation probes: eval)"}, indent=2))
     return out
 

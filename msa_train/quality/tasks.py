@@ -416,8 +416,8 @@ def copy_records(tokenizer, haystack: Haystack, lengths: Sequence[int], count: i
     Measured on the CPU retrieval probe (benchmarks/results/probes/results.md#copy_documents): with
     half of every batch copy documents the retrieval phase change came at 1,750-2,250 steps in three
     seeds of three, and without them in none of three by 3,000; copies of random tokens taught
-    nothing in 3,000 (one seed). In the study's sixth run the 169M-parameter dense model did not learn to copy in
-    study C's 1,500 steps (same entry)."""
+    nothing in 3,000 (one seed). In the study's sixth run the 169M-parameter dense model did not
+    learn to copy in study C's 1,500 steps (same entry)."""
     rng = random.Random(f"train-copy/{seed}")
     out = []
     for _ in range(count):

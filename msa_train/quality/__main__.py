@@ -49,12 +49,12 @@ def main(argv=None) -> int:
                            help="study C: train study A's dense and NSA models on synthetic retrieval documents "
                                 "(answers only) and copy documents for STEPS steps, then evaluate them (default: not run)")
             s.add_argument("--retrieval-phase-lengths", default=None, metavar="N,N,...",
-                           help="study C's document lengths in tokens, drawn uniformly (default 256,512; "
+                           help="study C's document lengths in tokens, drawn uniformly (default 256,512,2048; "
                                 "each at most 4094, its 4K sequence less BOS/EOS)")
             s.add_argument("--retrieval-phase-questions", type=int, default=None, metavar="TOKENS",
                            help="study C's documents ask one question per TOKENS tokens, up to 48; 0 (default): "
                                 "one question a document, so no question has another's needles as distractors")
-            s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 5e-4)")
+            s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 1e-3)")
             s.add_argument("--retrieval-phase-copies", type=float, default=None, metavar="FRACTION",
                            help="the fraction of study C's documents that are copy documents, a span of real text "
                                 "repeated and its repeat trained (default 0.5; 0: retrieval documents alone)")

@@ -68,9 +68,12 @@ class Plan:
     # documents and not on 512-token ones in 5,000 steps, and the fifth run's 512-4000 taught neither
     # model; 1K and 2K put most needles beyond NSA's 512-token window. One question a document: at
     # 512 tokens the probe with three a document (each the others' distractors) reached 20% of
-    # answer tokens in 5,000 steps, with one 36%, though three train three times the answers a step
+    # answer tokens in 5,000 steps, with one 36%, though three train three times the answers a step.
+    # A third of the documents 2K long all the same: at 256-512 tokens NSA's 512-token window holds
+    # the whole document, so only the window branch would learn to retrieve and copy, while the
+    # evaluation's needles (2K-32K) lie mostly beyond the window, where selection must find them
     retrieval_phase_seq_len: int = 4096
-    retrieval_phase_lengths: List[int] = field(default_factory=lambda: [256, 512])
+    retrieval_phase_lengths: List[int] = field(default_factory=lambda: [256, 512, 2048])
     # the tasks of study C's documents: the probe's three, whose questions repeat their needle's words
     # (the evaluation still asks all five)
     retrieval_phase_tasks: List[str] = field(default_factory=lambda: ["passkey", "single_needle", "multi_key"])
@@ -80,7 +83,9 @@ class Plan:
     # alone, as the fifth run's study C had
     retrieval_phase_copy_fraction: float = 0.5
     retrieval_phase_tokens_per_query: int = 0  # one question per this many tokens, at most mix_max_queries (0: one)
-    retrieval_phase_lr: float = 5e-4
+    # the CPU probe with half copies: retrieval at 1,750 steps at lr 2e-3, 2,750 at 1e-3, none by 3,000
+    # at 5e-4 (study C's rate in the sixth run, whose dense arm did not learn to copy in 1,500 steps)
+    retrieval_phase_lr: float = 1e-3
     retrieval_phase_warmup: int = 20
     seq_len: int = 16384                # train.seq_len of study A's and study B's jobs
     conversion_steps: int = RECIPE_STEPS // 10  # study B: 10% of study A's tokens

@@ -1,4 +1,4 @@
-"""``python -m msa_train.quality {corpus,study-a,study-b,study-c,all,report}`` (docs/quality.md)."""
+"""``python -m msa_train.quality {corpus,study-a,study-b,study-c,all,report,probe}`` (docs/quality.md)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +20,10 @@ def main(argv=None) -> int:
                    help="directory to read (repeatable); default: this interpreter's site-packages")
     c.add_argument("--heldout-fraction", type=float, default=0.05)
     c.add_argument("--seed", type=int, default=0)
+    from msa_train.quality import probe
+
+    probe.add_arguments(sub.add_parser("probe", help="the CPU retrieval probe: does a training mix teach a tiny "
+                                                     "model retrieval, and at which lengths (msa_train/quality/probe.py)"))
     for name, text in (("study-a", "from scratch: attention=full and fmsa (and a second dense seed)"),
                        ("study-b", "dense -> NSA conversion from study A's dense model"),
                        ("study-c", "the retrieval phase: study A's two models trained on retrieval documents alone"),
@@ -70,6 +74,9 @@ def main(argv=None) -> int:
         manifest = build_corpus(args.out, args.site_packages, args.max_tokens, args.vocab, args.heldout_fraction,
                                 args.seed)
         print(json.dumps({k: manifest[k] for k in ("documents", "tokens", "vocab_size")}))
+        return 0
+    if args.command == "probe":
+        probe.run(args)
         return 0
     from msa_train.quality import study
 

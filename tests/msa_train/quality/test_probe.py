@@ -1,0 +1,79 @@
+"""The CPU retrieval probe (msa_train/quality/probe.py) at tiny sizes: its copy documents, its data
+per step, its evaluation lines and its errors."""
+import argparse
+import json
+
+import pytest
+
+from msa_train.quality import probe
+
+
+def _args(corpus, *extra):
+    p = argparse.ArgumentParser()
+    probe.add_arguments(p)
+    return p.parse_args(["--corpus", str(corpus), "--probes", "2", "--batch", "4", *extra])
+
+
+def test_copy_documents_train_only_the_repeat(tiny_corpus):
+    _, corpus, _ = tiny_corpus
+    p = probe._Probe(_args(corpus, "--copy-fraction", "0.5", "--lengths", "256"))
+    for _ in range(5):
+        x, y = p.copy_document(256)
+        trained = (y != -100).nonzero().flatten()
+        s_len = len(trained) + 1  # the repeat's first token is not a target
+        assert len(x) == len(y) == 256 and 64 <= s_len <= 128
+        assert trained.tolist() == list(range(256 - s_len + 1, 256))  # one contiguous tail
+        assert x[:s_len].tolist() == x[-s_len:].tolist()                # S, filler, S
+        assert y[-s_len + 1:].tolist() == x[-s_len + 1:].tolist()       # the targets are S's own tokens
+
+
+def test_a_step_mixes_copies_and_questions_at_one_drawn_length(tiny_corpus):
+    _, corpus, _ = tiny_corpus
+    p = probe._Probe(_args(corpus, "--copy-fraction", "0.5", "--lengths", "256,384"))
+    seen = set()
+    for _ in range(8):
+        x, y = p.batch()
+        assert x.shape == y.shape and x.shape[0] == 4
+        seen.add(x.shape[1])
+        targets = (y != -100).sum(1)
+        # two copy documents (a quarter to a half of the length trained), then two questions (answers only)
+        assert all(t >= x.shape[1] // 4 - 1 for t in targets[:2].tolist())
+        assert all(0 < t < 32 for t in targets[2:].tolist())
+    assert seen == {256, 384}
+
+
+def test_run_scores_every_eval_length_and_repeats_itself(tiny_corpus):
+    _, corpus, _ = tiny_corpus
+    args = _args(corpus, "--steps", "4", "--eval-every", "2", "--lengths", "256", "--eval-lengths", "256,512",
+                 "--copy-fraction", "0.5", "--pretrain-steps", "2", "--pretrain-length", "384")
+    emitted = []
+    lines = probe.run(args, emit=emitted.append)
+    assert [r["step"] for r in lines] == [2, 4] and json.loads(emitted[0])["phase"] == "pretrain"
+    for r in lines:
+        assert set(r) >= {"exact_256", "tokens_256", "exact_512", "tokens_512", "train_loss"}
+        assert all(0.0 <= r[k] <= 1.0 for k in r if k.startswith(("exact_", "tokens_")))
+    again = probe.run(args, emit=lambda _: None)
+    assert [{k: v for k, v in r.items() if k != "s"} for r in again] == [{k: v for k, v in r.items() if k != "s"}
+                                                                       for r in lines]
+
+
+@pytest.mark.parametrize("extra, message", [(["--lengths", "12"], "--lengths 12"),
+                                            (["--eval-lengths", "a,b"], "--eval-lengths a,b"),
+                                            (["--lengths", "256", "--eval-lengths", "96"], "--eval-lengths 96: .*fixed text"),
+                                            (["--copy-fraction", "1.0"], "--copy-fraction 1.0")])
+def test_bad_arguments_name_themselves(tiny_corpus, extra, message):
+    _, corpus, _ = tiny_corpus
+    with pytest.raises(SystemExit, match=message):
+        probe._Probe(_args(corpus, *extra))
+
+
+def test_a_directory_that_is_no_corpus_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--corpus"):
+        probe._Probe(_args(tmp_path))
+
+
+def test_training_documents_too_short_for_their_questions_are_an_error_not_a_hang(tiny_corpus):
+    _, corpus, _ = tiny_corpus
+    p = probe._Probe(_args(corpus, "--lengths", "96", "--eval-lengths", "256"))
+    with pytest.raises(SystemExit, match="--lengths 96: 100 training documents of 96 tokens"):
+        p.batch()

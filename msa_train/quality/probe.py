@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -61,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretrain-length", type=int, default=2048, help="tokens per pretraining window")
     p.add_argument("--pretrain-batch", type=int, default=2, help="windows per pretraining step")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="after the warm-up: constant, or cosine to a tenth over all steps (the trainer's schedule)")
+    p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base (the quality study's model: 500000)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--stop-at", type=float, default=2.0,
@@ -102,12 +107,20 @@ class _Probe:
         longest = max(self.train_lengths + self.eval_lengths + [args.pretrain_length if args.pretrain_steps else 0])
         cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                          max_position_embeddings=max(4096, longest), rope_theta=10000.0, tie_word_embeddings=False)
+                          max_position_embeddings=max(4096, longest), rope_theta=args.rope_theta,
+                          tie_word_embeddings=False)
         cfg._attn_implementation = "sdpa"
         torch.manual_seed(args.seed)
         self.model = LlamaForCausalLM(cfg)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / 50))
+        total, warm = args.pretrain_steps + args.steps, args.warmup
+
+        def factor(step: int) -> float:
+            if step < warm or args.schedule == "constant":
+                return min(1.0, (step + 1) / max(1, warm))
+            return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, factor)
         # separate streams, so that adding one kind of data leaves the others' draws as they were
         self.rng = random.Random("train" if args.seed == 0 else f"train{args.seed}")
         self.copy_rng = random.Random(f"copy{args.seed}")
@@ -183,7 +196,7 @@ def run(args: argparse.Namespace, emit=print) -> List[Dict]:
     start, lines, hits = time.time(), [], 0
     common = {"seed": a.seed, "lengths": probe.train_lengths, "copy_fraction": a.copy_fraction,
               "copy_kind": a.copy_kind, "loss_targets": a.loss, "batch": a.batch, "lr": a.lr,
-              "pretrain_steps": a.pretrain_steps}
+              "schedule": a.schedule, "rope_theta": a.rope_theta, "pretrain_steps": a.pretrain_steps}
     pre_rng = random.Random(f"pretrain{a.seed}")
     for pstep in range(1, a.pretrain_steps + 1):
         x = torch.tensor([probe.train_hay.window(pre_rng, a.pretrain_length, anywhere=True)

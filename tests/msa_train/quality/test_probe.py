@@ -77,3 +77,14 @@ def test_training_documents_too_short_for_their_questions_are_an_error_not_a_han
     p = probe._Probe(_args(corpus, "--lengths", "96", "--eval-lengths", "256"))
     with pytest.raises(SystemExit, match="--lengths 96: 100 training documents of 96 tokens"):
         p.batch()
+
+
+def test_schedules(tiny_corpus):
+    _, corpus, _ = tiny_corpus
+    const = probe._Probe(_args(corpus, "--lengths", "256", "--steps", "100", "--warmup", "10"))
+    cos = probe._Probe(_args(corpus, "--lengths", "256", "--steps", "100", "--warmup", "10", "--schedule", "cosine",
+                             "--rope-theta", "500000"))
+    f_const, f_cos = const.sched.lr_lambdas[0], cos.sched.lr_lambdas[0]
+    assert [f_const(s) for s in (0, 9, 50, 99)] == pytest.approx([0.1, 1.0, 1.0, 1.0])
+    assert [f_cos(s) for s in (0, 9, 10, 55, 100)] == pytest.approx([0.1, 1.0, 1.0, 0.55, 0.1])
+    assert cos.model.config.rope_parameters["rope_theta"] == 500000.0

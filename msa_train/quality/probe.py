@@ -96,7 +96,8 @@ class _Probe:
             lines = (corpus / name).read_text().splitlines()[:n]
             return [tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"] for line in lines]
 
-        self.train_hay, self.eval_hay = Haystack(docs("train.jsonl", 400), tok), Haystack(docs("heldout.jsonl", 100), tok)
+        self.train_hay = Haystack(docs("train.jsonl", 400), tok)
+        self.eval_hay = Haystack(docs("heldout.jsonl", 100), tok)
         # the same probes at every evaluation, each length's from the same depth and content streams
         try:
             self.probes = {n: [make_probe("single_needle", tok, self.eval_hay, n, random.Random(f"depth{i}").random(),
@@ -131,14 +132,11 @@ class _Probe:
     def copy_document(self, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """n tokens: S (n/4..n/2 tokens), filler of real text, S again; the second S is the target
         from its second token (nothing before it predicts its first)."""
-        r = self.copy_rng
-        s_len = r.randint(n // 4, n // 2)
-        if self.args.copy_kind == "random":
-            span = [r.randrange(len(self.tok)) for _ in range(s_len)]
-        else:
-            span = self.train_hay.window(r, s_len, anywhere=True)
-        filler = self.train_hay.window(r, n - 2 * s_len, anywhere=True)
-        return torch.tensor(span + filler + span), torch.tensor([-100] * (n - s_len + 1) + span[1:])
+        from msa_train.quality.tasks import copy_document
+
+        vocab = len(self.tok) if self.args.copy_kind == "random" else 0
+        span, filler = copy_document(self.copy_rng, self.train_hay, n, vocab)
+        return torch.tensor(span + filler + span), torch.tensor([-100] * (n - len(span) + 1) + span[1:])
 
     def batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
         from msa_train.quality.tasks import training_document
@@ -149,7 +147,7 @@ class _Probe:
             x, y = self.copy_document(n)
             xs.append(x), ys.append(y)
         for _ in range(self.args.batch - self.n_copy):
-            for attempt in range(100):  # a draw whose questions and needles leave no room for haystack is drawn again
+            for _ in range(100):  # a draw whose questions and needles leave no room for haystack is drawn again
                 try:
                     d = training_document(self.tasks, self.tok, self.train_hay, n, self.args.queries, self.rng)
                     break
@@ -192,22 +190,22 @@ def run(args: argparse.Namespace, emit=print) -> List[Dict]:
     """Trains and evaluates as ``args`` say; each evaluation is a dict, passed to ``emit`` as a JSON
     line and returned."""
     torch.set_num_threads(args.threads)
-    probe, a = _Probe(args), args
+    probe = _Probe(args)
     start, lines, hits = time.time(), [], 0
-    common = {"seed": a.seed, "lengths": probe.train_lengths, "copy_fraction": a.copy_fraction,
-              "copy_kind": a.copy_kind, "loss_targets": a.loss, "batch": a.batch, "lr": a.lr,
-              "schedule": a.schedule, "rope_theta": a.rope_theta, "pretrain_steps": a.pretrain_steps}
-    pre_rng = random.Random(f"pretrain{a.seed}")
-    for pstep in range(1, a.pretrain_steps + 1):
-        x = torch.tensor([probe.train_hay.window(pre_rng, a.pretrain_length, anywhere=True)
-                          for _ in range(a.pretrain_batch)])
+    common = {"seed": args.seed, "lengths": probe.train_lengths, "copy_fraction": args.copy_fraction,
+              "copy_kind": args.copy_kind, "loss_targets": args.loss, "batch": args.batch, "lr": args.lr,
+              "schedule": args.schedule, "rope_theta": args.rope_theta, "pretrain_steps": args.pretrain_steps}
+    pre_rng = random.Random(f"pretrain{args.seed}")
+    for pstep in range(1, args.pretrain_steps + 1):
+        x = torch.tensor([probe.train_hay.window(pre_rng, args.pretrain_length, anywhere=True)
+                          for _ in range(args.pretrain_batch)])
         loss = probe.step(x, x)
-        if pstep == a.pretrain_steps:
-            emit(json.dumps({"phase": "pretrain", "pretrain_step": pstep, "pretrain_length": a.pretrain_length,
+        if pstep == args.pretrain_steps:
+            emit(json.dumps({"phase": "pretrain", "pretrain_step": pstep, "pretrain_length": args.pretrain_length,
                              "train_loss": round(loss, 3), "s": round(time.time() - start)}))
-    for step in range(1, a.steps + 1):
+    for step in range(1, args.steps + 1):
         loss = probe.step(*probe.batch())
-        if step % a.eval_every and step != a.steps:
+        if step % args.eval_every and step != args.steps:
             continue
         line = {**common, "step": step, "train_loss": round(loss, 3)}
         for n in probe.eval_lengths:
@@ -216,7 +214,7 @@ def run(args: argparse.Namespace, emit=print) -> List[Dict]:
         line["s"] = round(time.time() - start)
         lines.append(line)
         emit(json.dumps(line))
-        hits = hits + 1 if line[f"exact_{probe.eval_lengths[0]}"] >= a.stop_at else 0
+        hits = hits + 1 if line[f"exact_{probe.eval_lengths[0]}"] >= args.stop_at else 0
         if hits >= 2:
             break
     return lines

@@ -405,6 +405,19 @@ def training_records(tasks: Sequence[str], tokenizer, haystack: Haystack, length
     return out
 
 
+def copy_document(rng: random.Random, haystack: Haystack, n: int,
+                  random_vocab: int = 0) -> Tuple[List[int], List[int]]:
+    """The two parts of an n-token copy document, drawn from ``rng``: the span S (a quarter to a
+    half of n tokens, cut from ``haystack``, or with ``random_vocab`` uniform ids below it) and the
+    filler of real text between its two copies; the document is S + filler + S."""
+    s_len = rng.randint(n // 4, n // 2)
+    if random_vocab:
+        span = [rng.randrange(random_vocab) for _ in range(s_len)]
+    else:
+        span = haystack.window(rng, s_len, anywhere=True)
+    return span, haystack.window(rng, n - 2 * s_len, anywhere=True)
+
+
 def copy_records(tokenizer, haystack: Haystack, lengths: Sequence[int], count: int, seed: str) -> List[Dict[str, Any]]:
     """``count`` copy documents as pretraining records for study C: a span S of real text (a
     quarter to a half of the document's length, from ``haystack``), more text, then S again; only S's
@@ -421,10 +434,7 @@ def copy_records(tokenizer, haystack: Haystack, lengths: Sequence[int], count: i
     rng = random.Random(f"train-copy/{seed}")
     out = []
     for _ in range(count):
-        n = rng.choice(list(lengths))
-        span = rng.randint(n // 4, n // 2)
-        s = haystack.window(rng, span, anywhere=True)
-        filler = haystack.window(rng, n - 2 * span, anywhere=True)
+        s, filler = copy_document(rng, haystack, rng.choice(list(lengths)))
         text = tokenizer.decode(s)
         out.append({"segments": [{"text": text, "train": False}, {"text": tokenizer.decode(filler), "train": False},
                                  {"text": text, "train": True}]})

@@ -34,6 +34,18 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_extension_builds(tmp_path_factory):
+    """DeepSpeed's C++ extensions (cpu_adam) build into this run's own directory, one for all its
+    workers (an xdist worker's base directory sits in the run's), never into the user's cache: a
+    build killed in an earlier run there leaves a lock that the trainer refuses
+    (tests/msa_train/test_extension_builds.py), and once left CI waiting on it for 90 minutes."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root / "torch_extensions")
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

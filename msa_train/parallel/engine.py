@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Dict
+import time
+from pathlib import Path
+from typing import Any, Dict, List
 
 import torch.nn as nn
 
@@ -104,6 +106,7 @@ def build_engine(model: nn.Module, ds_config: Dict[str, Any]):
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
+    wait_for_extension_builds(ds_config)
     # WarmupCosineLR warns that it has not started while the engine is built; the trainer starts it
     # right after (see Trainer._build_optimizer), so the warning is noise.
     quiet = _DropMessage("before it has started")
@@ -114,6 +117,56 @@ def build_engine(model: nn.Module, ds_config: Dict[str, Any]):
     finally:
         ds_logger.removeFilter(quiet)
     return engine, optimizer, scheduler
+
+
+# A build of one of DeepSpeed's C++ extensions takes about 1.5 minutes on two cores (cpu_adam); a lock
+# file older than this was left by a build that never finished
+STALE_BUILD_LOCK_S = 600
+
+
+def extension_build_locks(ds_config: Dict[str, Any]) -> List[Path]:
+    """The lock files of the C++ extensions that DeepSpeed compiles on first use for ``ds_config``'s
+    optimizer: cpu_adam for an offloaded optimizer (and fused_adam for the GPU's share of a partial
+    offload), fused_adam otherwise; none for torch's AdamW."""
+    optimizer = ds_config.get("optimizer", {})
+    if optimizer.get("params", {}).get("torch_adam", True):
+        return []
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer")
+    names = (["cpu_adam"] + (["fused_adam"] if offload.get("ratio", 1) < 1 else [])) if offload else ["fused_adam"]
+    try:  # where torch.utils.cpp_extension.load builds: private, and its layout changes between versions
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        return []
+    return [Path(_get_build_directory(name, verbose=False)) / "lock" for name in names]
+
+
+def wait_for_extension_builds(ds_config: Dict[str, Any], stale_after_s: float = STALE_BUILD_LOCK_S,
+                              poll_s: float = 1.0) -> None:
+    """Wait while another process builds one of the extensions ``ds_config`` needs; raise on a lock
+    that a killed build left behind.
+
+    torch's extension loader takes a lock file for a build and removes it when the build ends; every
+    other process waits, with no time limit, until the file is gone. A build that was killed (a
+    stopped job, a machine that went away) leaves the file, and every later run then waits silently
+    for ever. Waiting here instead, with the lock's age as the limit, turns that into an error that
+    names the file."""
+    for lock in extension_build_locks(ds_config):
+        told = False
+        while True:
+            try:
+                age = time.time() - lock.stat().st_mtime
+            except FileNotFoundError:
+                break
+            if age > stale_after_s:
+                raise ValueError(
+                    f"{lock}: a lock left by a build of DeepSpeed's {lock.parent.name} extension that never finished "
+                    f"({age / 60:.0f} minutes old; a build takes a few). torch would wait on it for ever: remove "
+                    f"it (or the directory {lock.parent}) and run again")
+            if not told:
+                logging.getLogger(__name__).warning(
+                    "waiting for another process's build of DeepSpeed's %s extension (%s)", lock.parent.name, lock)
+                told = True
+            time.sleep(poll_s)
 
 
 class _DropMessage(logging.Filter):

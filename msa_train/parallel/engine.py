@@ -126,13 +126,13 @@ STALE_BUILD_LOCK_S = 600
 
 def extension_build_locks(ds_config: Dict[str, Any]) -> List[Path]:
     """The lock files of the C++ extensions that DeepSpeed compiles on first use for ``ds_config``'s
-    optimizer: cpu_adam for an offloaded optimizer (and fused_adam for the GPU's share of a partial
-    offload), fused_adam otherwise; none for torch's AdamW."""
+    optimizer: cpu_adam for an offloaded optimizer (a partial offload's GPU share is torch's AdamW),
+    fused_adam otherwise; none for torch's AdamW."""
     optimizer = ds_config.get("optimizer", {})
     if optimizer.get("params", {}).get("torch_adam", True):
         return []
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer")
-    names = (["cpu_adam"] + (["fused_adam"] if offload.get("ratio", 1) < 1 else [])) if offload else ["fused_adam"]
+    names = ["cpu_adam"] if offload else ["fused_adam"]
     try:  # where torch.utils.cpp_extension.load builds: private, and its layout changes between versions
         from torch.utils.cpp_extension import _get_build_directory
     except ImportError:

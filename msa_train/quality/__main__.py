@@ -58,7 +58,9 @@ def main(argv=None) -> int:
             s.add_argument("--retrieval-phase-questions", type=int, default=None, metavar="TOKENS",
                            help="study C's documents ask one question per TOKENS tokens, up to 48; 0 (default): "
                                 "one question a document, so no question has another's needles as distractors")
-            s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 1e-3)")
+            s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 2e-3)")
+            s.add_argument("--retrieval-phase-schedule", choices=["constant", "cosine"], default=None,
+                           help="study C's rate after its warm-up: constant (default), or the recipe's cosine to a tenth")
             s.add_argument("--retrieval-phase-copies", type=float, default=None, metavar="FRACTION",
                            help="the fraction of study C's documents that are copy documents, a span of real text "
                                 "repeated and its repeat trained (default 0.5; 0: retrieval documents alone)")
@@ -111,6 +113,8 @@ def main(argv=None) -> int:
         if not args.retrieval_phase_lr > 0:
             raise SystemExit(f"--retrieval-phase-lr {args.retrieval_phase_lr}: expected a learning rate > 0")
         plan = dataclasses.replace(plan, retrieval_phase_lr=args.retrieval_phase_lr)
+    if getattr(args, "retrieval_phase_schedule", None):
+        plan = dataclasses.replace(plan, retrieval_phase_schedule=args.retrieval_phase_schedule)
     if getattr(args, "retrieval_phase_copies", None) is not None:
         if not 0 <= args.retrieval_phase_copies < 1:
             raise SystemExit(f"--retrieval-phase-copies {args.retrieval_phase_copies}: expected a fraction in [0, 1)")

@@ -83,10 +83,14 @@ class Plan:
     # alone, as the fifth run's study C had
     retrieval_phase_copy_fraction: float = 0.5
     retrieval_phase_tokens_per_query: int = 0  # one question per this many tokens, at most mix_max_queries (0: one)
-    # the CPU probe with half copies: retrieval at 1,750 steps at lr 2e-3, 2,750 at 1e-3, none by 3,000
-    # at 5e-4 (study C's rate in the sixth run, whose dense arm did not learn to copy in 1,500 steps)
-    retrieval_phase_lr: float = 1e-3
-    retrieval_phase_warmup: int = 20
+    # the CPU probe with half copies: retrieval at 1,750 steps at a constant 2e-3, 2,750 at 1e-3, none by
+    # 3,000 at 5e-4 (study C's rate in the sixth run, whose dense arm did not learn to copy in 1,500 steps);
+    # the recipe's cosine to a tenth with a 20-step warm-up and the study model's RoPE base cost it about
+    # 1,000 steps at 2e-3, and the seventh run's study C (3,000 steps, cosine from 1e-3) copied nothing.
+    # The warm-up is longer than the probe's: the phase starts Adam afresh on a trained 169M model
+    retrieval_phase_lr: float = 2e-3
+    retrieval_phase_schedule: str = "constant"  # constant | cosine (the recipe's, to train.min_lr_ratio)
+    retrieval_phase_warmup: int = 100
     seq_len: int = 16384                # train.seq_len of study A's and study B's jobs
     conversion_steps: int = RECIPE_STEPS // 10  # study B: 10% of study A's tokens
     conversion_lr: float = 3e-4
@@ -121,7 +125,7 @@ class Plan:
                      "eval.retrieval_depths=2", "eval.retrieval_probes=1", "eval.retrieval_generate=1"],
                     mix_fraction=0.05, mix_tasks=["passkey", "single_needle"], mix_lengths=[256], mix_tokens_per_query=0,
                     haystack_tokens=20_000, seq_len=256, retrieval_phase_seq_len=256, retrieval_phase_lengths=[256],
-                    retrieval_phase_tasks=["passkey", "single_needle"],
+                    retrieval_phase_tasks=["passkey", "single_needle"], retrieval_phase_warmup=1,
                     conversion_steps=2, conversion_warmup=1, distill_steps=3,
                     min_piece_s=0.0, eval_reserve_s=0.0)
 
@@ -164,6 +168,7 @@ def _jobs_c(plan: Plan, work: Path) -> Dict[str, List[str]]:
                            f"data.path={work / 'data' / 'retrieval_phase.jsonl'}",
                            f"model.path={work / 'runs' / f'a_{arm}' / 'hf'}", f"train.steps={plan.retrieval_phase_steps}",
                            f"train.lr={plan.retrieval_phase_lr}", f"train.warmup_steps={plan.retrieval_phase_warmup}",
+                           *(["train.min_lr_ratio=1.0"] if plan.retrieval_phase_schedule == "constant" else []),
                            "train.seed=0", "train.save_every=0",
                            f"eval.seq_len={plan.seq_len}"]  # held-out loss packed as study A's, so the two compare
     return out
@@ -272,6 +277,7 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     (work / "data" / "retrieval_phase.json").write_text(json.dumps({
         **spec, "documents": count, "copy_documents": copies, "questions": questions,
         "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr,
+        "schedule": plan.retrieval_phase_schedule, "warmup_steps": plan.retrieval_phase_warmup,
         "targets": "answers of the questions, repeats of the copies",
         "seed_space": "train-mix/retrieval-phase (evaluation probes: eval)"}, indent=2))
     return out

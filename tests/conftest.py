@@ -43,7 +43,6 @@ def _own_extension_builds(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     os.environ["TORCH_EXTENSIONS_DIR"] = str(root / "torch_extensions")
-    yield
 
 
 @pytest.fixture(autouse=True)

@@ -131,13 +131,12 @@ def extension_build_locks(ds_config: Dict[str, Any]) -> List[Path]:
     optimizer = ds_config.get("optimizer", {})
     if optimizer.get("params", {}).get("torch_adam", True):
         return []
-    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer")
-    names = ["cpu_adam"] if offload else ["fused_adam"]
+    name = "cpu_adam" if ds_config.get("zero_optimization", {}).get("offload_optimizer") else "fused_adam"
     try:  # where torch.utils.cpp_extension.load builds: private, and its layout changes between versions
         from torch.utils.cpp_extension import _get_build_directory
     except ImportError:
         return []
-    return [Path(_get_build_directory(name, verbose=False)) / "lock" for name in names]
+    return [Path(_get_build_directory(name, verbose=False)) / "lock"]
 
 
 def wait_for_extension_builds(ds_config: Dict[str, Any], stale_after_s: float = STALE_BUILD_LOCK_S,

@@ -12,11 +12,9 @@ reads the runs and writes ``summary.json`` and the plots.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import logging
 import math
-import multiprocessing
 import os
 import random
 import signal
@@ -93,12 +91,6 @@ class Plan:
     retrieval_phase_lr: float = 2e-3
     retrieval_phase_schedule: str = "constant"  # constant | cosine (the recipe's, to train.min_lr_ratio)
     retrieval_phase_warmup: int = 100
-    # study C's two arms train at once, each in its own process on the one GPU: at 4K tokens a step of
-    # this model is bound by launches and the host (the seventh run on the H100: 66 ms a step dense,
-    # 132 ms NSA, where the matmuls take about 10 ms), so the dense arm runs in the NSA arm's shadow.
-    # Their tokens/s are then shares of one GPU (summary.json says so); study A, whose equal
-    # wall-clock comparison needs them alone, runs one job at a time
-    retrieval_phase_side_by_side: bool = True
     seq_len: int = 16384                # train.seq_len of study A's and study B's jobs
     conversion_steps: int = RECIPE_STEPS // 10  # study B: 10% of study A's tokens
     conversion_lr: float = 3e-4
@@ -307,15 +299,6 @@ def _write_state(work: Path, state: Dict[str, Any]) -> None:
     os.replace(tmp, p)
 
 
-def _record_job(work: Path, name: str, entry: Dict[str, Any]) -> None:
-    """Set ``state[name]`` under a lock: jobs running side by side each record their own."""
-    with open(work / "state.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        state = _read_state(work)
-        state[name] = entry
-        _write_state(work, state)
-
-
 def run_jobs(jobs: Dict[str, List[str]], work: Path, deadline: float, plan: Plan) -> bool:
     """Run (or continue) the jobs in order until the deadline (``time.time()``). Returns whether all are done."""
     from msa_train.cli import compose
@@ -356,44 +339,13 @@ def run_jobs(jobs: Dict[str, List[str]], work: Path, deadline: float, plan: Plan
         finally:
             signal.signal(signal.SIGUSR1, previous)
         done = trainer.step >= cfg.train.steps
-        _record_job(work, name, {"done": done, "step": trainer.step, "steps": cfg.train.steps,
-                                 "n_params": summary["n_params"], "side_by_side": multiprocessing.parent_process() is not None})
+        state[name] = {"done": done, "step": trainer.step, "steps": cfg.train.steps, "n_params": summary["n_params"]}
+        _write_state(work, state)
         if not done:
             log.warning("budget: %s stopped at step %d of %d with a checkpoint; rerun the same command to continue",
                         name, trainer.step, cfg.train.steps)
             return False
     return True
-
-
-def _run_job_in_child(name: str, overrides: List[str], work: Path, deadline: float, plan: Plan) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{name}] %(name)s: %(message)s")
-    raise SystemExit(0 if run_jobs({name: overrides}, work, deadline, plan) else 3)
-
-
-def run_jobs_side_by_side(jobs: Dict[str, List[str]], work: Path, deadline: float, plan: Plan) -> bool:
-    """Run (or continue) the jobs at once, each in a fresh process (spawned: this one may hold CUDA),
-    until the deadline. Returns whether all are done; a job that fails is an error naming it."""
-    state = _read_state(work)
-    todo = {name: overrides for name, overrides in jobs.items() if not state.get(name, {}).get("done")}
-    if len(todo) < 2:
-        return run_jobs(todo, work, deadline, plan)
-    ctx = multiprocessing.get_context("spawn")
-    procs = {name: ctx.Process(target=_run_job_in_child, args=(name, overrides, work, deadline, plan),
-                               name=f"quality-{name}") for name, overrides in todo.items()}
-    for p in procs.values():
-        p.start()
-    for p in procs.values():
-        p.join()
-    failed = {name: p.exitcode for name, p in procs.items() if p.exitcode not in (0, 3)}
-    if failed:
-        raise RuntimeError("study jobs failed: " + ", ".join(f"{n} (exit code {c})" for n, c in failed.items())
-                           + f"; their logs are above, their runs under {work / 'runs'}")
-    return all(p.exitcode == 0 for p in procs.values())
-
-
-def _run_stage_c(plan: Plan, work: Path, deadline: float) -> bool:
-    run = run_jobs_side_by_side if plan.retrieval_phase_side_by_side else run_jobs
-    return run(_jobs_c(plan, work), work, deadline, plan)
 
 
 def study_a(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
@@ -414,18 +366,14 @@ def study_b(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
 
 
 def study_all(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
-    """Every study in one budget, most important first (``_jobs_all``): study C's two arms side by
-    side (``Plan.retrieval_phase_side_by_side``), every other job one at a time. A piece that runs out
-    of budget leaves the rest for the next invocation, as study-a and study-b do."""
+    """Every study in one budget, most important first (``_jobs_all``). A piece that runs out of
+    budget leaves the rest for the next invocation, as study-a and study-b do."""
     deadline = time.time() + budget_s
     prepare_mix(plan, work)
     prepare_retrieval_phase(plan, work)
-    first, rest = _jobs_all(plan, work)
-    done = run_jobs(first, work, deadline, plan)
-    if done and plan.retrieval_phase_steps:
-        done = _run_stage_c(plan, work, deadline)
-        rest = {k: v for k, v in rest.items() if not k.startswith("c_")}
-    done = done and run_jobs(rest, work, deadline, plan)
+    done = True
+    for stage in _jobs_all(plan, work):
+        done = done and run_jobs(stage, work, deadline, plan)
     report(work, out, plan)
     return done
 
@@ -438,7 +386,7 @@ def study_c(work: Path, out: Path, budget_s: float, plan: Plan) -> bool:
     if not (state.get("a_full", {}).get("done") and state.get("a_fmsa", {}).get("done")):
         raise ValueError(f"study-c trains study A's two models further: finish study-a under --work {work} first")
     prepare_retrieval_phase(plan, work)
-    done = _run_stage_c(plan, work, deadline)
+    done = run_jobs(_jobs_c(plan, work), work, deadline, plan)
     report(work, out, plan)
     return done
 
@@ -607,9 +555,7 @@ def report(work: Path, out: Path, plan: Optional[Plan] = None) -> Dict[str, Any]
         b["nsa_distilled"]["distill"] = None
     phase = None
     if (runs / "c_full").is_dir() or (runs / "c_fmsa").is_dir():
-        # side_by_side: the two arms shared the GPU, so their tokens/s are shares of it, not each alone
-        phase = {arm: {**_run_entry(runs / f"c_{arm}"), "done": state.get(f"c_{arm}", {}).get("done", False),
-                       "side_by_side": state.get(f"c_{arm}", {}).get("side_by_side", False)}
+        phase = {arm: {**_run_entry(runs / f"c_{arm}"), "done": state.get(f"c_{arm}", {}).get("done", False)}
                  for arm in ("full", "fmsa")}
         phase["data"] = _json_or_none(work / "data" / "retrieval_phase.json")
     summary = {

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
             s.add_argument("--retrieval-phase-questions", type=int, default=None, metavar="TOKENS",
                            help="study C's documents ask one question per TOKENS tokens, up to 48; 0 (default): "
                                 "one question a document, so no question has another's needles as distractors")
-            s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 2e-3)")
+            s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 3e-4)")
             s.add_argument("--retrieval-phase-schedule", choices=["constant", "cosine"], default=None,
                            help="study C's rate after its warm-up: constant (default), or the recipe's cosine to a tenth")
             s.add_argument("--retrieval-phase-copies", type=float, default=None, metavar="FRACTION",

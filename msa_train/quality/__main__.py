@@ -54,7 +54,7 @@ def main(argv=None) -> int:
                                 "(answers only) and copy documents for STEPS steps, then evaluate them (default: not run)")
             s.add_argument("--retrieval-phase-lengths", default=None, metavar="N,N,...",
                            help="study C's document lengths in tokens, drawn uniformly (default 256,512,2048; "
-                                "each at most 4094, its 4K sequence less BOS/EOS)")
+                                "each at most 8190, its 8K sequence less BOS/EOS)")
             s.add_argument("--retrieval-phase-questions", type=int, default=None, metavar="TOKENS",
                            help="study C's documents ask one question per TOKENS tokens, up to 48; 0 (default): "
                                 "one question a document, so no question has another's needles as distractors")

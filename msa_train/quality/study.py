@@ -71,8 +71,15 @@ class Plan:
     # answer tokens in 5,000 steps, with one 36%, though three train three times the answers a step.
     # A third of the documents 2K long all the same: at 256-512 tokens NSA's 512-token window holds
     # the whole document, so only the window branch would learn to retrieve and copy, while the
-    # evaluation's needles (2K-32K) lie mostly beyond the window, where selection must find them
-    retrieval_phase_seq_len: int = 4096
+    # evaluation's needles (2K-32K) lie mostly beyond the window, where selection must find them.
+    # 8K sequences, not 4K: two 2K documents (2,050 tokens with BOS/EOS) do not fit one 4K sequence, so
+    # in the eighth run 30% of the 4K sequences were padding and 1,184 of its 4,000 steps trained fewer
+    # than 20 tokens (one 2K retrieval document alone, its answer a few tokens); at 8K the packer puts
+    # three 2K documents and the short ones together (simulated with plan_packing: 2% padding, 1% of
+    # steps under 20 trained tokens, twice the trained tokens a step). On the H100 an NSA step of this
+    # model is launch-bound below 16K (0.134 s at 4K, 0.150 s at 16K; dense 0.066 and 0.109 s), so 8K
+    # steps cost little more than 4K ones
+    retrieval_phase_seq_len: int = 8192
     retrieval_phase_lengths: List[int] = field(default_factory=lambda: [256, 512, 2048])
     # the tasks of study C's documents: the probe's three, whose questions repeat their needle's words
     # (the evaluation still asks all five)

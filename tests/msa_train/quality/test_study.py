@@ -53,7 +53,7 @@ def test_all_runs_study_a_first_then_the_retrieval_phase_then_b_and_the_seed(tmp
         assert f"model.path={tmp_path / 'runs' / f'a_{arm}' / 'hf'}" in job and f"attention={arm}" in job
         assert f"data.path={tmp_path / 'data' / 'retrieval_phase.jsonl'}" in job and "train.steps=300" in job
         assert job.index("train.steps=300") > job.index("recipe=quality_170m")  # overrides the recipe's steps
-        assert [x for x in job if x.startswith("train.seq_len=")] == ["train.seq_len=4096"]  # short: many updates
+        assert [x for x in job if x.startswith("train.seq_len=")] == ["train.seq_len=8192"]  # short: many updates
         assert "eval.seq_len=16384" in job  # held-out loss packed as study A's
         assert not any(x.startswith("eval.retrieval=") for x in job)
         # a constant 3e-4 after 100 warm-up steps (the eighth run: above 4e-4 the 169M model's loss rose)
@@ -61,6 +61,24 @@ def test_all_runs_study_a_first_then_the_retrieval_phase_then_b_and_the_seed(tmp
         assert job.index("train.min_lr_ratio=1.0") > job.index("recipe=quality_170m")
     cosine = _jobs_all(dataclasses.replace(plan, retrieval_phase_schedule="cosine"), tmp_path)[1]["c_fmsa"]
     assert not any(x.startswith("train.min_lr_ratio=") for x in cosine)  # the recipe's, to a tenth
+
+
+def test_study_c_sequences_pack_its_documents_without_much_padding():
+    """Study C's documents (BOS/EOS added) fill its sequences: at 4K, two 2K documents did not fit one
+    sequence, and the eighth run's sequences were 30% padding, many a lone 2K question of a few trained tokens."""
+    import random
+
+    import numpy as np
+
+    from msa_train.data.packing import plan_packing
+
+    plan = Plan.gpu()
+    rng = random.Random(0)
+    lengths = np.array([rng.choice(plan.retrieval_phase_lengths) + 2 + rng.randint(0, 40) for _ in range(6000)])
+    packed = plan_packing(lengths, plan.retrieval_phase_seq_len, seed=0)
+    assert 1 - lengths.sum() / (len(packed) * plan.retrieval_phase_seq_len) < 0.05
+    per_sequence = np.diff(packed.seq_ptr)
+    assert (per_sequence == 1).mean() < 0.01  # hardly a document alone in its sequence
 
 
 def test_steps_option_sizes_both_studies():

@@ -77,8 +77,8 @@ class Plan:
     # than 20 tokens (one 2K retrieval document alone, its answer a few tokens); at 8K the packer puts
     # three 2K documents and the short ones together (simulated with plan_packing: 2% padding, 1% of
     # steps under 20 trained tokens, twice the trained tokens a step). On the H100 an NSA step of this
-    # model is launch-bound below 16K (0.134 s at 4K, 0.150 s at 16K; dense 0.066 and 0.109 s), so 8K
-    # steps cost little more than 4K ones
+    # model is launch-bound below 16K: on study C's documents 0.136 s at 4K and 0.143 s at 8K (dense
+    # 0.062 and 0.080 s; benchmarks/results/probes/results.md#quality_step_times)
     retrieval_phase_seq_len: int = 8192
     retrieval_phase_lengths: List[int] = field(default_factory=lambda: [256, 512, 2048])
     # the tasks of study C's documents: the probe's three, whose questions repeat their needle's words

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 ATTENTION_NAMES = ("full", "nsa", "fmsa", "auto")
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 PRECISIONS = ("auto", "bf16", "fp32")
+LR_SCHEDULES = ("cosine", "wsd")  # train.lr_schedule (msa_train/parallel/deepspeed_config.py)
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 LOGGERS = ("none", "wandb")
@@ -242,8 +243,12 @@ class TrainConfig:
     seq_len: int = 512                   # tokens per packed sequence (one per rank per micro step)
     grad_accum: int = 1                  # micro steps per optimizer step
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1            # cosine ends at lr * min_lr_ratio
+    min_lr_ratio: float = 0.1            # the schedule ends at lr * min_lr_ratio
     warmup_steps: int = 5
+    # after the warm-up: cosine (over every remaining step) | wsd (warmup-stable-decay: the full rate,
+    # then a cosine over the last decay_fraction of the steps)
+    lr_schedule: str = "cosine"
+    decay_fraction: float = 0.2
     weight_decay: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0               # 0 disables clipping
@@ -299,6 +304,11 @@ class TrainConfig:
             raise ValueError(f"train.lr={self.lr!r} is not allowed; expected a positive float")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio!r} is not allowed; expected a float in [0, 1]")
+        _choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _finite("train.decay_fraction", self.decay_fraction)
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"train.decay_fraction={self.decay_fraction!r} is not allowed; expected a float in (0, 1] "
+                             "(the fraction of train.steps over which train.lr_schedule=wsd decays)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"train.betas={list(self.betas)!r} is not allowed; expected two floats in [0, 1)")
         _at_least("train.grad_clip", self.grad_clip, 0.0, "a float >= 0 (0 disables clipping)")

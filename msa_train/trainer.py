@@ -71,7 +71,8 @@ def _grad_norm(module: torch.nn.Module) -> torch.Tensor:
 
 # train.* settings that change the loss curve; the others (steps, output, logging, checkpoint
 # cadence) may change between a run and its resume.
-RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "warmup_steps", "weight_decay",
+RESUME_TRAIN_KEYS = ("seq_len", "grad_accum", "lr", "betas", "min_lr_ratio", "warmup_steps", "lr_schedule",
+                     "decay_fraction", "weight_decay",
                      "grad_clip", "seed", "precision", "loss_chunk_tokens", "loss_impl", "objective",
                      *PREFERENCE_SETTINGS, *GRPO_SETTINGS)
 
@@ -84,7 +85,8 @@ def _later_settings() -> Dict[str, Any]:
     lora = json.loads(json.dumps(dataclasses.asdict(LoraConfig())))
     train, data = TrainConfig(), DataConfig()
     return {**{f"model.lora.{k}": v for k, v in lora.items()},
-            **{f"train.{k}": getattr(train, k) for k in (*PREFERENCE_SETTINGS, *GRPO_SETTINGS) if k != "dpo_beta"},
+            **{f"train.{k}": getattr(train, k) for k in (*PREFERENCE_SETTINGS, *GRPO_SETTINGS, "lr_schedule",
+                                                         "decay_fraction") if k != "dpo_beta"},
             **{f"data.{k}": getattr(data, k) for k in ("answer_field", "completion_field", "label_field", "tasks",
                                                         "num_prompts")}}
 
@@ -469,7 +471,7 @@ class Trainer:
                 log.info("resumed from step %d (%s), %d tokens seen", self.step, path, self.tokens_seen)
             saved_steps = trainer_state.get("train_steps")  # the length of the saved run's LR schedule
             if saved_steps is not None and saved_steps != cfg.train.steps and self.dist.is_main:
-                log.warning("train.steps %d differs from the resumed run's %d: the cosine learning-rate schedule "
+                log.warning("train.steps %d differs from the resumed run's %d: the learning-rate schedule "
                             "is rebuilt for %d steps, so from step %d on the rate follows the new schedule "
                             "(resume with train.steps=%d to continue the old one exactly)",
                             cfg.train.steps, saved_steps, cfg.train.steps, self.step + 1, saved_steps)

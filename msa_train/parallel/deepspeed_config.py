@@ -55,12 +55,24 @@ def build_deepspeed_config(parallel: ParallelConfig, train: TrainConfig, *, worl
             "params": {"lr": train.lr, "betas": list(train.betas), "eps": 1e-8,
                        "weight_decay": train.weight_decay, "torch_adam": torch_adam},
         },
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            # Linear warmup from lr / warmup_steps (step 0 trains too), then cosine to lr * min_lr_ratio.
-            "params": {"total_num_steps": train.steps, "warmup_num_steps": max(1, train.warmup_steps),
-                       "warmup_min_ratio": 1.0 / max(1, train.warmup_steps), "cos_min_ratio": train.min_lr_ratio, "warmup_type": "linear"},
-        },
+        "scheduler": _scheduler(train),
         "steps_per_print": 10 ** 9,  # our logger reports; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
     }
+
+
+# the "scheduler" type of train.lr_schedule=wsd: msa_train/parallel/lr_schedule.py, not one of DeepSpeed's
+WSD_SCHEDULER = "WarmupStableDecayLR"
+
+
+def _scheduler(train) -> Dict[str, Any]:
+    """Linear warmup from lr / warmup_steps (step 0 trains too), then a cosine to lr * min_lr_ratio
+    (DeepSpeed's WarmupCosineLR), or with train.lr_schedule=wsd the full rate until the last
+    decay_fraction of the steps and the cosine over those (msa_train/parallel/lr_schedule.py, which
+    build_engine hands to DeepSpeed itself)."""
+    params = {"total_num_steps": train.steps, "warmup_num_steps": max(1, train.warmup_steps),
+              "warmup_min_ratio": 1.0 / max(1, train.warmup_steps), "cos_min_ratio": train.min_lr_ratio,
+              "warmup_type": "linear"}
+    if train.lr_schedule == "wsd":
+        return {"type": WSD_SCHEDULER, "params": {**params, "decay_num_steps": round(train.decay_fraction * train.steps)}}
+    return {"type": "WarmupCosineLR", "params": params}

@@ -106,14 +106,23 @@ def build_engine(model: nn.Module, ds_config: Dict[str, Any]):
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
+    from msa_train.parallel.deepspeed_config import WSD_SCHEDULER
+    from msa_train.parallel.lr_schedule import WarmupStableDecayLR
+
     wait_for_extension_builds(ds_config)
     # WarmupCosineLR warns that it has not started while the engine is built; the trainer starts it
     # right after (see Trainer._build_optimizer), so the warning is noise.
     quiet = _DropMessage("before it has started")
+    client_scheduler = None
+    if ds_config.get("scheduler", {}).get("type") == WSD_SCHEDULER:  # ours: DeepSpeed does not know the name
+        params = ds_config["scheduler"]["params"]
+        ds_config = {k: v for k, v in ds_config.items() if k != "scheduler"}
+        client_scheduler = functools.partial(WarmupStableDecayLR, **params)  # called with the optimizer
     ds_logger.addFilter(quiet)
     try:
         engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config,
+            lr_scheduler=client_scheduler)
     finally:
         ds_logger.removeFilter(quiet)
     return engine, optimizer, scheduler

@@ -59,8 +59,10 @@ def main(argv=None) -> int:
                            help="study C's documents ask one question per TOKENS tokens, up to 48; 0 (default): "
                                 "one question a document, so no question has another's needles as distractors")
             s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 3e-4)")
-            s.add_argument("--retrieval-phase-schedule", choices=["constant", "cosine"], default=None,
-                           help="study C's rate after its warm-up: constant (default), or the recipe's cosine to a tenth")
+            s.add_argument("--retrieval-phase-schedule", choices=["constant", "wsd", "cosine"], default=None,
+                           help="study C's rate after its warm-up: constant (default); wsd, constant and then "
+                                "a cosine to a tenth over the last fifth of its steps (train.lr_schedule=wsd); "
+                                "or the recipe's cosine to a tenth")
             s.add_argument("--retrieval-phase-copies", type=float, default=None, metavar="FRACTION",
                            help="the fraction of study C's documents that are copy documents, a span of real text "
                                 "repeated and its repeat trained (default 0.5; 0: retrieval documents alone)")

@@ -99,7 +99,8 @@ class Plan:
     # probe, 1.3M parameters of width 128: retrieval at 1,750 steps at a constant 2e-3, 2,750 at 1e-3.)
     # The warm-up is longer than the probe's: the phase starts Adam afresh on a trained 169M model
     retrieval_phase_lr: float = 3e-4
-    retrieval_phase_schedule: str = "constant"  # constant | cosine (the recipe's, to train.min_lr_ratio)
+    # constant | wsd (constant, then the recipe's cosine to a tenth over the last fifth) | cosine (the recipe's)
+    retrieval_phase_schedule: str = "constant"
     retrieval_phase_warmup: int = 100
     seq_len: int = 16384                # train.seq_len of study A's and study B's jobs
     conversion_steps: int = RECIPE_STEPS // 10  # study B: 10% of study A's tokens
@@ -178,7 +179,8 @@ def _jobs_c(plan: Plan, work: Path) -> Dict[str, List[str]]:
                            f"data.path={work / 'data' / 'retrieval_phase.jsonl'}",
                            f"model.path={work / 'runs' / f'a_{arm}' / 'hf'}", f"train.steps={plan.retrieval_phase_steps}",
                            f"train.lr={plan.retrieval_phase_lr}", f"train.warmup_steps={plan.retrieval_phase_warmup}",
-                           *(["train.min_lr_ratio=1.0"] if plan.retrieval_phase_schedule == "constant" else []),
+                           *{"constant": ["train.min_lr_ratio=1.0"], "wsd": ["train.lr_schedule=wsd"],
+                             "cosine": []}[plan.retrieval_phase_schedule],
                            "train.seed=0", "train.save_every=0",
                            f"eval.seq_len={plan.seq_len}"]  # held-out loss packed as study A's, so the two compare
     return out

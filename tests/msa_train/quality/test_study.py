@@ -60,7 +60,12 @@ def test_all_runs_study_a_first_then_the_retrieval_phase_then_b_and_the_seed(tmp
         assert "train.lr=0.0003" in job and "train.warmup_steps=100" in job
         assert job.index("train.min_lr_ratio=1.0") > job.index("recipe=quality_170m")
     cosine = _jobs_all(dataclasses.replace(plan, retrieval_phase_schedule="cosine"), tmp_path)[1]["c_fmsa"]
-    assert not any(x.startswith("train.min_lr_ratio=") for x in cosine)  # the recipe's, to a tenth
+    assert not any(x.startswith(("train.min_lr_ratio=", "train.lr_schedule=")) for x in cosine)  # the recipe's
+    wsd = _jobs_all(dataclasses.replace(plan, retrieval_phase_schedule="wsd"), tmp_path)[1]["c_fmsa"]
+    assert "train.lr_schedule=wsd" in wsd and not any(x.startswith("train.min_lr_ratio=") for x in wsd)
+    from msa_train.cli import compose  # the job composes: decay over the last fifth, to the recipe's tenth
+    cfg = compose([*wsd, f"train.output_dir={tmp_path / 'c'}"])
+    assert (cfg.train.lr_schedule, cfg.train.decay_fraction, cfg.train.min_lr_ratio) == ("wsd", 0.2, 0.1)
 
 
 def test_study_c_sequences_pack_its_documents_without_much_padding():

@@ -125,6 +125,8 @@ def check_resume_config(saved: Dict[str, Any], current: Dict[str, Any], path) ->
         for k, default in _LATER_SETTINGS.items():
             if k not in a and b.get(k) == default:
                 a[k] = default
+    if a.get("train.lr_schedule") == b.get("train.lr_schedule") == "cosine":  # decay_fraction is wsd's alone
+        a.pop("train.decay_fraction", None), b.pop("train.decay_fraction", None)
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if saved and changed:
         shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:6])

@@ -1,6 +1,7 @@
 """The DeepSpeed JSON, generated from the typed config (never written by hand beside it)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Dict
 
 from msa_train.config import ParallelConfig, TrainConfig
@@ -74,5 +75,7 @@ def _scheduler(train) -> Dict[str, Any]:
               "warmup_min_ratio": 1.0 / max(1, train.warmup_steps), "cos_min_ratio": train.min_lr_ratio,
               "warmup_type": "linear"}
     if train.lr_schedule == "wsd":
-        return {"type": WSD_SCHEDULER, "params": {**params, "decay_num_steps": round(train.decay_fraction * train.steps)}}
+        # at least one step: a decay_fraction > 0 always decays
+        decay = max(1, math.ceil(train.decay_fraction * train.steps))
+        return {"type": WSD_SCHEDULER, "params": {**params, "decay_num_steps": decay}}
     return {"type": "WarmupCosineLR", "params": params}

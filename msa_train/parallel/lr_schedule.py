@@ -21,9 +21,11 @@ class WarmupStableDecayLR(WarmupCosineLR):
     def get_lr_ratio(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
             return super().get_lr_ratio()
-        # iterations count from 0: the last one is total_num_steps - 1 and ends at cos_min_ratio
-        into_decay = self.last_batch_iteration - (self.total_num_steps - 1 - self.decay_num_steps)
-        if into_decay <= 0 or self.decay_num_steps == 0:
+        # iterations count from 0: the last one is total_num_steps - 1 and ends at cos_min_ratio. The decay
+        # never reaches into the warm-up: at most every step after it (then it is WarmupCosineLR's cosine)
+        decay = min(self.decay_num_steps, max(1, self.total_num_steps - self.warmup_num_steps))
+        into_decay = self.last_batch_iteration - (self.total_num_steps - 1 - decay)
+        if into_decay <= 0:
             return 1.0
-        progress = min(1.0, into_decay / self.decay_num_steps)
+        progress = min(1.0, into_decay / decay)
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2

@@ -52,3 +52,39 @@ def test_bad_schedule_settings_name_themselves():
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="train.decay_fraction"):
             TrainConfig(decay_fraction=bad)
+
+
+def test_wsd_edges_decay_at_least_one_step_and_never_into_the_warm_up():
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    from msa_train.parallel.deepspeed_config import _scheduler
+    from msa_train.parallel.lr_schedule import WarmupStableDecayLR
+
+    def rates(cls, **params):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+        return _rates(cls(opt, **params), params["total_num_steps"])
+
+    def params(steps, warmup, fraction):
+        cfg = SimpleNamespace(steps=steps, warmup_steps=warmup, min_lr_ratio=0.1, lr_schedule="wsd",
+                              decay_fraction=fraction)
+        return _scheduler(cfg)["params"]
+
+    # a tenth of 4 steps: still one step of decay, the last at the floor
+    assert params(4, 1, 0.1)["decay_num_steps"] == 1 and rates(WarmupStableDecayLR, **params(4, 1, 0.1))[-1] == 0.1
+    # a decay longer than the steps after the warm-up is the cosine over all of them: no drop at its end
+    whole = {k: v for k, v in params(100, 50, 1.0).items() if k != "decay_num_steps"}
+    assert rates(WarmupStableDecayLR, **params(100, 50, 1.0)) == pytest.approx(rates(WarmupCosineLR, **whole))
+    short = {k: v for k, v in params(10, 6, 0.5).items() if k != "decay_num_steps"}  # 5 decay steps, 4 after it
+    assert rates(WarmupStableDecayLR, **params(10, 6, 0.5)) == pytest.approx(rates(WarmupCosineLR, **short))
+
+
+def test_a_cosine_run_resumes_whatever_its_unused_decay_fraction():
+    from msa_train.trainer import check_resume_config
+
+    run = {"train": {"lr_schedule": "cosine", "decay_fraction": 0.2}}
+    check_resume_config(run, {"train": {"lr_schedule": "cosine", "decay_fraction": 0.5}}, "ck")
+    with pytest.raises(ValueError, match=r"train.decay_fraction: 0.2 -> 0.5"):
+        check_resume_config({"train": {"lr_schedule": "wsd", "decay_fraction": 0.2}},
+                            {"train": {"lr_schedule": "wsd", "decay_fraction": 0.5}}, "ck")

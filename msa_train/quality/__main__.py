@@ -60,9 +60,9 @@ def main(argv=None) -> int:
                                 "one question a document, so no question has another's needles as distractors")
             s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 3e-4)")
             s.add_argument("--retrieval-phase-schedule", choices=["constant", "wsd", "cosine"], default=None,
-                           help="study C's rate after its warm-up: constant (default); wsd, constant and then "
-                                "a cosine to a tenth over the last fifth of its steps (train.lr_schedule=wsd); "
-                                "or the recipe's cosine to a tenth")
+                           help="study C's rate after its warm-up: wsd (default), held and then a cosine to a tenth "
+                                "over the last fifth of its steps (train.lr_schedule=wsd); constant; or the "
+                                "recipe's cosine to a tenth")
             s.add_argument("--retrieval-phase-copies", type=float, default=None, metavar="FRACTION",
                            help="the fraction of study C's documents that are copy documents, a span of real text "
                                 "repeated and its repeat trained (default 0.5; 0: retrieval documents alone)")

@@ -56,16 +56,18 @@ def test_all_runs_study_a_first_then_the_retrieval_phase_then_b_and_the_seed(tmp
         assert [x for x in job if x.startswith("train.seq_len=")] == ["train.seq_len=8192"]  # short: many updates
         assert "eval.seq_len=16384" in job  # held-out loss packed as study A's
         assert not any(x.startswith("eval.retrieval=") for x in job)
-        # a constant 3e-4 after 100 warm-up steps (the eighth run: above 4e-4 the 169M model's loss rose)
+        # 3e-4 after 100 warm-up steps (the eighth run: above 4e-4 the 169M model's loss rose), held,
+        # then decayed over the last fifth (the trainer-path probe: 75% exact at the end against 33%)
         assert "train.lr=0.0003" in job and "train.warmup_steps=100" in job
-        assert job.index("train.min_lr_ratio=1.0") > job.index("recipe=quality_170m")
+        assert job.index("train.lr_schedule=wsd") > job.index("recipe=quality_170m")
+        assert not any(x.startswith("train.min_lr_ratio=") for x in job)  # to the recipe's tenth
+    from msa_train.cli import compose  # the job composes: decay over the last fifth, to the recipe's tenth
+    cfg = compose([*second["c_fmsa"], f"train.output_dir={tmp_path / 'c'}"])
+    assert (cfg.train.lr_schedule, cfg.train.decay_fraction, cfg.train.min_lr_ratio) == ("wsd", 0.2, 0.1)
     cosine = _jobs_all(dataclasses.replace(plan, retrieval_phase_schedule="cosine"), tmp_path)[1]["c_fmsa"]
     assert not any(x.startswith(("train.min_lr_ratio=", "train.lr_schedule=")) for x in cosine)  # the recipe's
-    wsd = _jobs_all(dataclasses.replace(plan, retrieval_phase_schedule="wsd"), tmp_path)[1]["c_fmsa"]
-    assert "train.lr_schedule=wsd" in wsd and not any(x.startswith("train.min_lr_ratio=") for x in wsd)
-    from msa_train.cli import compose  # the job composes: decay over the last fifth, to the recipe's tenth
-    cfg = compose([*wsd, f"train.output_dir={tmp_path / 'c'}"])
-    assert (cfg.train.lr_schedule, cfg.train.decay_fraction, cfg.train.min_lr_ratio) == ("wsd", 0.2, 0.1)
+    constant = _jobs_all(dataclasses.replace(plan, retrieval_phase_schedule="constant"), tmp_path)[1]["c_fmsa"]
+    assert "train.min_lr_ratio=1.0" in constant and not any(x.startswith("train.lr_schedule=") for x in constant)
 
 
 def test_study_c_sequences_pack_its_documents_without_much_padding():
@@ -172,7 +174,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     # two 256-token sequences: one retrieval document (one question) and one copy document
     assert len(records) == data["documents"] == 2 and data["questions"] == 1 and data["copy_documents"] == 1
     assert data["copy_fraction"] == 0.5 and data["tasks"] == ["passkey", "single_needle"]
-    assert (data["lr"], data["schedule"], data["warmup_steps"]) == (3e-4, "constant", 1)
+    assert (data["lr"], data["schedule"], data["warmup_steps"]) == (3e-4, "wsd", 1)
     kinds = sorted([x["train"] for x in r["segments"]] for r in records)
     assert kinds == [[False, False, True], [False, True]]  # the copy: span, text, the span again (trained)
     copy = next(r["segments"] for r in records if len(r["segments"]) == 3)

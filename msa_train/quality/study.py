@@ -101,8 +101,9 @@ class Plan:
     retrieval_phase_lr: float = 3e-4
     # wsd (the rate held, then the recipe's cosine to a tenth over the last fifth: train.lr_schedule=wsd) |
     # constant | cosine (the recipe's). wsd: a constant rate learns sooner than the cosine (the probe: 2,000
-    # steps against 2,750), and the decay keeps more of it at the end (the trainer at the probe's size:
-    # 75% exact at 3,000 steps against 33% constant; probes/results.md#trainer_path_variants)
+    # steps against 2,750), and a decay is the usual end of a held rate (the trainer at the probe's size:
+    # 75% exact at 3,000 steps against 33% constant in one paired run, but 8% in a second run with the
+    # decay, whose exact match swung as much: probes/results.md#trainer_path_variants)
     retrieval_phase_schedule: str = "wsd"
     retrieval_phase_warmup: int = 100
     seq_len: int = 16384                # train.seq_len of study A's and study B's jobs

@@ -57,7 +57,7 @@ def test_all_runs_study_a_first_then_the_retrieval_phase_then_b_and_the_seed(tmp
         assert "eval.seq_len=16384" in job  # held-out loss packed as study A's
         assert not any(x.startswith("eval.retrieval=") for x in job)
         # 3e-4 after 100 warm-up steps (the eighth run: above 4e-4 the 169M model's loss rose), held,
-        # then decayed over the last fifth (the trainer-path probe: 75% exact at the end against 33%)
+        # then decayed over the last fifth, the usual end of a held rate
         assert "train.lr=0.0003" in job and "train.warmup_steps=100" in job
         assert job.index("train.lr_schedule=wsd") > job.index("recipe=quality_170m")
         assert not any(x.startswith("train.min_lr_ratio=") for x in job)  # to the recipe's tenth

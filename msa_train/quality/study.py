@@ -95,7 +95,7 @@ class Plan:
     # warm-up's rate stayed below 4e-4, 5.6-5.8 from 4e-4 to 1e-3, 6.1-6.8 at 2e-3, and stayed at 6.2
     # dense and 5.9 NSA to the end (no copying; held-out loss 5.26 -> 6.74 dense); the sixth run's
     # cosine from 5e-4 lowered it from 4.50 to 3.66 in 1,500 steps, the seventh's from 1e-3 from 5.71
-    # to 4.82 in 3,000. So a constant rate below that knee: 3e-4, about the sixth run's mean. (The CPU
+    # to 4.82 in 3,000. So a rate below that knee: 3e-4, about the sixth run's mean. (The CPU
     # probe, 1.3M parameters of width 128: retrieval at 1,750 steps at a constant 2e-3, 2,750 at 1e-3.)
     # The warm-up is longer than the probe's: the phase starts Adam afresh on a trained 169M model
     retrieval_phase_lr: float = 3e-4

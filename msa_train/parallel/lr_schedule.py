@@ -15,15 +15,16 @@ from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
 class WarmupStableDecayLR(WarmupCosineLR):
     def __init__(self, optimizer, total_num_steps: int, decay_num_steps: int, **kwargs):
-        self.decay_num_steps = decay_num_steps
-        super().__init__(optimizer, total_num_steps, **kwargs)
+        super().__init__(optimizer, total_num_steps, **kwargs)  # sets warmup_num_steps (at least 2)
+        # the decay never reaches into the warm-up: at most every step after it (then it is
+        # WarmupCosineLR's cosine)
+        self.decay_num_steps = min(decay_num_steps, max(1, total_num_steps - self.warmup_num_steps))
 
     def get_lr_ratio(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
             return super().get_lr_ratio()
-        # iterations count from 0: the last one is total_num_steps - 1 and ends at cos_min_ratio. The decay
-        # never reaches into the warm-up: at most every step after it (then it is WarmupCosineLR's cosine)
-        decay = min(self.decay_num_steps, max(1, self.total_num_steps - self.warmup_num_steps))
+        # iterations count from 0: the last one is total_num_steps - 1 and ends at cos_min_ratio
+        decay = self.decay_num_steps
         into_decay = self.last_batch_iteration - (self.total_num_steps - 1 - decay)
         if into_decay <= 0:
             return 1.0

@@ -123,13 +123,13 @@ for stage in $stages; do
     quality)  # the quality study (docs/quality.md) as a background job that outlives this call (the machine
               # keeps its disk while warm): the first call builds the corpus and starts `python -m
               # msa_train.quality all` (QUALITY_BUDGET s, QUALITY_STEPS steps, QUALITY_MIX, QUALITY_ARGS: its
-              # other arguments, by default --retrieval-phase 4000); a call after the job stopped at its budget (exit 3)
+              # other arguments, by default --retrieval-phase 3000); a call after the job stopped at its budget (exit 3)
               # starts it again for another QUALITY_BUDGET s, from its checkpoints; every call then waits up to
               # QUALITY_WAIT s and packs what exists (summary, plots, each run's metrics, the logs) into $OUT/quality.tgz
       W=/tmp/quality; mkdir -p "$W"
       export TOKENIZERS_PARALLELISM=true  # gpu_env.sh turns it off; the corpus and the data tokenize on every core
       study="python3 -m msa_train.quality all --work $W --out $W/results --budget-s ${QUALITY_BUDGET:-1560} \
-             ${QUALITY_STEPS:+--steps $QUALITY_STEPS} ${QUALITY_MIX:+--mix-fraction $QUALITY_MIX} ${QUALITY_ARGS---retrieval-phase 4000}"
+             ${QUALITY_STEPS:+--steps $QUALITY_STEPS} ${QUALITY_MIX:+--mix-fraction $QUALITY_MIX} ${QUALITY_ARGS---retrieval-phase 3000}"
       if [ ! -f "$W/started" ]; then
         touch "$W/started"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/gpu.txt"
         setsid nohup bash -c "python3 -m msa_train.quality corpus --out $W/corpus --max-tokens ${QUALITY_TOKENS:-23000000} \

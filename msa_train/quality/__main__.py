@@ -61,8 +61,10 @@ def main(argv=None) -> int:
             s.add_argument("--retrieval-phase-lr", type=float, default=None, help="study C's peak learning rate (default 3e-4)")
             s.add_argument("--retrieval-phase-schedule", choices=["constant", "wsd", "cosine"], default=None,
                            help="study C's rate after its warm-up: wsd (default), held and then a cosine to a tenth "
-                                "over the last fifth of its steps (train.lr_schedule=wsd); constant; or the "
-                                "recipe's cosine to a tenth")
+                                "over the last --retrieval-phase-decay of its steps (train.lr_schedule=wsd); "
+                                "constant; or the recipe's cosine to a tenth")
+            s.add_argument("--retrieval-phase-decay", type=float, default=None, metavar="FRACTION",
+                           help="with the wsd schedule, the fraction of study C's steps its decay takes (default 0.5)")
             s.add_argument("--retrieval-phase-copies", type=float, default=None, metavar="FRACTION",
                            help="the fraction of study C's documents that are copy documents, a span of real text "
                                 "repeated and its repeat trained (default 0.5; 0: retrieval documents alone)")
@@ -117,6 +119,10 @@ def main(argv=None) -> int:
         plan = dataclasses.replace(plan, retrieval_phase_lr=args.retrieval_phase_lr)
     if getattr(args, "retrieval_phase_schedule", None):
         plan = dataclasses.replace(plan, retrieval_phase_schedule=args.retrieval_phase_schedule)
+    if getattr(args, "retrieval_phase_decay", None) is not None:
+        if not 0 < args.retrieval_phase_decay <= 1:
+            raise SystemExit(f"--retrieval-phase-decay {args.retrieval_phase_decay}: expected a fraction in (0, 1]")
+        plan = dataclasses.replace(plan, retrieval_phase_decay=args.retrieval_phase_decay)
     if getattr(args, "retrieval_phase_copies", None) is not None:
         if not 0 <= args.retrieval_phase_copies < 1:
             raise SystemExit(f"--retrieval-phase-copies {args.retrieval_phase_copies}: expected a fraction in [0, 1)")

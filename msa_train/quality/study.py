@@ -99,12 +99,20 @@ class Plan:
     # probe, 1.3M parameters of width 128: retrieval at 1,750 steps at a constant 2e-3, 2,750 at 1e-3.)
     # The warm-up is longer than the probe's: the phase starts Adam afresh on a trained 169M model
     retrieval_phase_lr: float = 3e-4
-    # wsd (the rate held, then the recipe's cosine to a tenth over the last fifth: train.lr_schedule=wsd) |
-    # constant | cosine (the recipe's). wsd: a constant rate learns sooner than the cosine (the probe: 2,000
-    # steps against 2,750), and a decay is the usual end of a held rate (the trainer at the probe's size:
-    # 75% exact at 3,000 steps against 33% constant in one paired run, but 8% in a second run with the
-    # decay, whose exact match swung as much: probes/results.md#trainer_path_variants)
+    # wsd (the rate held, then the recipe's cosine to a tenth over the last retrieval_phase_decay of the
+    # steps: train.lr_schedule=wsd) | constant | cosine (the recipe's). wsd: a constant rate learns sooner
+    # than the cosine (the probe: 2,000 steps against 2,750), and a decay is the usual end of a held rate
+    # (the trainer at the probe's size: 75% exact at 3,000 steps against 33% constant in one paired run,
+    # but 8% in a second run with the decay, whose exact match swung as much:
+    # probes/results.md#trainer_path_variants)
     retrieval_phase_schedule: str = "wsd"
+    # The decay's share of the steps: half. In the ninth run (4,000 steps, the last fifth decayed) the
+    # dense model's loss over copies and answers fell from 4.79 to 3.45 in 3,000 steps at the held 3e-4,
+    # then by 1.6 nats, to 1.48, in the 800 steps of the decay, faster as the rate fell, and a third of
+    # the answer tokens at 2K were then right: the drop came with the lower rate, so a longer decay
+    # gives it more steps in a run that must be shorter (NSA's 4,000 steps did not fit the budget:
+    # probes/results.md#ninth_run_study_c)
+    retrieval_phase_decay: float = 0.5
     retrieval_phase_warmup: int = 100
     seq_len: int = 16384                # train.seq_len of study A's and study B's jobs
     conversion_steps: int = RECIPE_STEPS // 10  # study B: 10% of study A's tokens
@@ -183,7 +191,8 @@ def _jobs_c(plan: Plan, work: Path) -> Dict[str, List[str]]:
                            f"data.path={work / 'data' / 'retrieval_phase.jsonl'}",
                            f"model.path={work / 'runs' / f'a_{arm}' / 'hf'}", f"train.steps={plan.retrieval_phase_steps}",
                            f"train.lr={plan.retrieval_phase_lr}", f"train.warmup_steps={plan.retrieval_phase_warmup}",
-                           *{"constant": ["train.min_lr_ratio=1.0"], "wsd": ["train.lr_schedule=wsd"],
+                           *{"constant": ["train.min_lr_ratio=1.0"],
+                             "wsd": ["train.lr_schedule=wsd", f"train.decay_fraction={plan.retrieval_phase_decay}"],
                              "cosine": []}[plan.retrieval_phase_schedule],
                            "train.seed=0", "train.save_every=0",
                            f"eval.seq_len={plan.seq_len}"]  # held-out loss packed as study A's, so the two compare
@@ -294,6 +303,7 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
         **spec, "documents": count, "copy_documents": copies, "questions": questions,
         "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr,
         "schedule": plan.retrieval_phase_schedule, "warmup_steps": plan.retrieval_phase_warmup,
+        **({"decay_fraction": plan.retrieval_phase_decay} if plan.retrieval_phase_schedule == "wsd" else {}),
         "targets": "answers of the questions, repeats of the copies",
         "seed_space": "train-mix/retrieval-phase (evaluation probes: eval)"}, indent=2))
     return out

@@ -57,13 +57,15 @@ def test_all_runs_study_a_first_then_the_retrieval_phase_then_b_and_the_seed(tmp
         assert "eval.seq_len=16384" in job  # held-out loss packed as study A's
         assert not any(x.startswith("eval.retrieval=") for x in job)
         # 3e-4 after 100 warm-up steps (the eighth run: above 4e-4 the 169M model's loss rose), held,
-        # then decayed over the last fifth, the usual end of a held rate
+        # then decayed over the second half (the ninth run: the dense model's copy came in its decay)
         assert "train.lr=0.0003" in job and "train.warmup_steps=100" in job
         assert job.index("train.lr_schedule=wsd") > job.index("recipe=quality_170m")
         assert not any(x.startswith("train.min_lr_ratio=") for x in job)  # to the recipe's tenth
-    from msa_train.cli import compose  # the job composes: decay over the last fifth, to the recipe's tenth
+    from msa_train.cli import compose  # the job composes: decay over the second half, to the recipe's tenth
     cfg = compose([*second["c_fmsa"], f"train.output_dir={tmp_path / 'c'}"])
-    assert (cfg.train.lr_schedule, cfg.train.decay_fraction, cfg.train.min_lr_ratio) == ("wsd", 0.2, 0.1)
+    assert (cfg.train.lr_schedule, cfg.train.decay_fraction, cfg.train.min_lr_ratio) == ("wsd", 0.5, 0.1)
+    shorter = _jobs_all(dataclasses.replace(plan, retrieval_phase_decay=0.25), tmp_path)[1]["c_full"]
+    assert compose([*shorter, f"train.output_dir={tmp_path / 'd'}"]).train.decay_fraction == 0.25
     cosine = _jobs_all(dataclasses.replace(plan, retrieval_phase_schedule="cosine"), tmp_path)[1]["c_fmsa"]
     assert not any(x.startswith(("train.min_lr_ratio=", "train.lr_schedule=")) for x in cosine)  # the recipe's
     constant = _jobs_all(dataclasses.replace(plan, retrieval_phase_schedule="constant"), tmp_path)[1]["c_fmsa"]
@@ -200,7 +202,8 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
               "--retrieval-phase-lengths", "128", "--retrieval-phase-questions", "128"])
     for bad in (["--retrieval-phase-lengths", "128,x"], ["--retrieval-phase-lengths", "4096"],
-                ["--retrieval-phase-questions", "-1"], ["--retrieval-phase-lr", "0"], ["--retrieval-phase-copies", "1"]):
+                ["--retrieval-phase-questions", "-1"], ["--retrieval-phase-lr", "0"], ["--retrieval-phase-copies", "1"],
+                ["--retrieval-phase-decay", "0"], ["--retrieval-phase-decay", "1.5"]):
         with pytest.raises(SystemExit, match=bad[0]):
             main(["study-c", "--work", str(work), "--tiny", "--retrieval-phase", "2", *bad])
     with pytest.raises(SystemExit):  # argparse: study-c needs --retrieval-phase

@@ -655,7 +655,10 @@ class Trainer:
     def _eval_retrieval(self) -> Dict[str, Any]:
         """The eval.retrieval grid: probes packed into sequences as long as the longest probe (one
         document each), scored teacher-forced like the pass key; with eval.retrieval_generate, some
-        probes decoded greedily with generate() too (KV cache), and the two exact matches compared."""
+        probes decoded greedily with generate() too (KV cache), and the two exact matches compared.
+        Each probe's first answer token is scored as a segment of its own as well: teacher-forced,
+        the answer's later tokens can be copied on from the needle once the earlier ones are given
+        (an induction head), while the first must be found from the question's key alone."""
         from msa_train.evaluation import retrieval_metrics
         from msa_train.data.tokenizer import pad_token_id
         from msa_train.quality.tasks import pack_probes
@@ -665,13 +668,18 @@ class Trainer:
         pack_len = -(-longest // self.cfg.parallel.sp_degree) * self.cfg.parallel.sp_degree
         order = sorted(range(len(probes)), key=lambda i: -len(probes[i]["input_ids"]))  # longest first: fuller packs
         packs = pack_probes([probes[i] for i in order], pack_len, pad_token_id(self.tokenizer))
-        per_probe = torch.zeros(len(probes), 2, device=self.device)  # answer loss, argmax-correct answer tokens
+        # answer loss, argmax-correct answer tokens, whether the first answer token is argmax-correct
+        per_probe = torch.zeros(len(probes), 3, device=self.device)
         for index, counted in self._eval_shard(len(packs)):
             pack = packs[index]
-            out = self._forward(self._make_batch(pack, pack["segments"], pack["num_segments"]), with_correct=True)
+            n = len(pack["probe_ids"])  # segments 0..n-1 the probes, n the padding, n+1+j probe j's first answer token
+            segments = pack["segments"].clone()
+            segments[pack["answer_at"] - 1] = torch.arange(n + 1, 2 * n + 1)  # its prediction: at the token before
+            out = self._forward(self._make_batch(pack, segments, 2 * n + 1), with_correct=True)
             if counted:
                 rows = self._to_device(torch.tensor([order[j] for j in pack["probe_ids"]]))
-                per_probe.index_add_(0, rows, out[:, :-1].t())
+                first = out[:, n + 1:]
+                per_probe.index_add_(0, rows, torch.cat([out[:, :n] + first, first[1:]]).t())
         dist.all_reduce(per_probe)
         record = retrieval_metrics(probes, per_probe)
         if self.cfg.eval.retrieval_generate:

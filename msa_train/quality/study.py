@@ -485,18 +485,24 @@ def _run_entry(run: Path) -> Dict[str, Any]:
             # teacher-forced loss per answer token: it tells models apart before exact matches appear
             "retrieval_answer_loss": ev.get("eval_retrieval_loss") if ev else None,
             "retrieval_token_accuracy": ev.get("eval_retrieval_token_accuracy") if ev else None,
-            # the same two by task -> length (the mean over depths): does either fall off with length?
+            # the probes whose first answer token is the top prediction: teacher-forced, the later ones
+            # can be copied on from the needle once the first is given; the first has to be found
+            "retrieval_first_token_accuracy": ev.get("eval_retrieval_first_token_accuracy") if ev else None,
+            # the same by task -> length (the mean over depths): does any fall off with length?
             "retrieval_by_length": _by_length(ev) if ev else None,
             "retrieval_generate_agreement": ev.get("eval_retrieval_generate_agreement") if ev else None,
             "mean_tokens_per_s": (sum(r["tokens_per_s"] for r in curve[1:]) / (len(curve) - 1)) if len(curve) > 1 else None}
 
 
 def _by_length(ev: Dict[str, Any]) -> Optional[Dict[str, Dict[str, Dict[str, float]]]]:
-    """``{"token_accuracy" | "answer_loss": task -> length -> mean over depths}`` from an evaluation record."""
+    """``{"token_accuracy" | "answer_loss" | "first_token_accuracy": task -> length -> mean over depths}``
+    from an evaluation record (``first_token_accuracy`` where it was scored)."""
     tables = {"token_accuracy": ev.get("retrieval_token_accuracy_by_cell"),
               "answer_loss": ev.get("retrieval_answer_loss_by_cell")}
     if not all(tables.values()):
         return None
+    if ev.get("retrieval_first_token_accuracy_by_cell"):
+        tables["first_token_accuracy"] = ev["retrieval_first_token_accuracy_by_cell"]
     return {name: {task: {length: sum(cells.values()) / len(cells) for length, cells in lengths.items()}
                    for task, lengths in table.items()} for name, table in tables.items()}
 

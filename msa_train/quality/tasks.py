@@ -313,7 +313,8 @@ def probe_grid(tasks: Sequence[str], tokenizer, haystack: Haystack, lengths: Seq
 def pack_probes(probes: Sequence[Dict[str, Any]], pack_len: int, pad_id: int) -> List[Dict[str, Any]]:
     """Probes as packed sequences of ``pack_len`` tokens, each probe its own document (cu_seqlens),
     the tail padding another, so short probes share a forward. ``segment`` of every token is the
-    index of its probe within the pack (padding: one past the last); ``probe_ids`` maps them back.
+    index of its probe within the pack (padding: one past the last); ``probe_ids`` maps them back;
+    ``answer_at`` (int64, one per probe) is the packed position of each probe's first answer token.
 
     Probes are placed in the given order, first fit into the current pack."""
     packs, cur = [], []
@@ -321,10 +322,11 @@ def pack_probes(probes: Sequence[Dict[str, Any]], pack_len: int, pad_id: int) ->
     def close():
         if not cur:
             return
-        ids, labels, pos, seg, cu = [], [], [], [], [0]
+        ids, labels, pos, seg, cu, answer_at = [], [], [], [], [0], []
         for j, p in enumerate(cur):
             n = len(p[1]["input_ids"])
             ids.append(p[1]["input_ids"]), labels.append(p[1]["labels"])
+            answer_at.append(cu[-1] + int((p[1]["labels"] != IGNORE_INDEX).nonzero()[0]))
             pos.append(torch.arange(n)), seg.append(torch.full((n,), j))
             cu.append(cu[-1] + n)
         pad = pack_len - cu[-1]
@@ -337,7 +339,8 @@ def pack_probes(probes: Sequence[Dict[str, Any]], pack_len: int, pad_id: int) ->
                       "position_ids": torch.cat(pos).long(), "segments": torch.cat(seg).long(),
                       "cu_seqlens": torch.tensor(cu, dtype=torch.int32), "max_seqlen": max(lengths),
                       "num_tokens": sum(len(p[1]["input_ids"]) for p in cur),
-                      "num_segments": len(cur) + 1, "probe_ids": [p[0] for p in cur]})
+                      "num_segments": len(cur) + 1, "probe_ids": [p[0] for p in cur],
+                      "answer_at": torch.tensor(answer_at, dtype=torch.int64)})
         cur.clear()
 
     used = 0

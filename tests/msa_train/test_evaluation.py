@@ -31,8 +31,8 @@ def test_retrieval_metrics_grade_every_probe():
 
     probes = [probe("passkey", 64, 0.0, 2), probe("passkey", 64, 0.0, 2), probe("passkey", 128, 1.0, 4),
               probe("multi_value", 64, 0.0, 4)]
-    # per probe: answer loss summed over its tokens, argmax-correct answer tokens
-    per_probe = torch.tensor([[0.2, 2.0], [3.0, 1.0], [8.0, 1.0], [4.0, 3.0]])
+    # per probe: answer loss summed over its tokens, argmax-correct answer tokens, first answer token correct
+    per_probe = torch.tensor([[0.2, 2.0, 1.0], [3.0, 1.0, 0.0], [8.0, 1.0, 1.0], [4.0, 3.0, 0.0]])
     m = retrieval_metrics(probes, per_probe)
     assert m["eval_retrieval_accuracy"] == 0.25 and m["eval_retrieval_passkey"] == pytest.approx(1 / 3)
     assert m["retrieval"]["passkey"]["64"]["0"] == 0.5 and m["retrieval"]["multi_value"]["64"]["0"] == 0.0
@@ -48,8 +48,15 @@ def test_retrieval_metrics_grade_every_probe():
     assert m["eval_retrieval_passkey_token_accuracy"] == pytest.approx(4 / 8)
     assert m["eval_retrieval_passkey_loss"] == pytest.approx(11.2 / 8)
     assert m["eval_retrieval_multi_value_loss"] == pytest.approx(1.0)
+    # the first answer token: a fraction of probes, each weighing the same
+    assert m["eval_retrieval_first_token_accuracy"] == 0.5
+    assert m["eval_retrieval_passkey_first_token_accuracy"] == pytest.approx(2 / 3)
+    assert m["eval_retrieval_multi_value_first_token_accuracy"] == 0.0
+    assert m["retrieval_first_token_accuracy_by_cell"]["passkey"] == {"64": {"0": 0.5}, "128": {"1": 1.0}}
     with pytest.raises(ValueError, match="at least one answer token"):
-        retrieval_metrics([probe("passkey", 64, 0.0, 0)], torch.zeros(1, 2))
+        retrieval_metrics([probe("passkey", 64, 0.0, 0)], torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"shape \[4, 3\], got \(4, 2\)"):
+        retrieval_metrics(probes, per_probe[:, :2])
 
 
 def test_passkey_probes():

@@ -3,6 +3,7 @@ which a misaligned scorer would also give. A tiny model that has memorised the a
 evaluation's own probes must score 100% through the trainer's evaluation path (probes packed several
 to a sequence, the chunked loss's argmax, segments mapped back to probes) and through generate().
 Dense attention on the CPU; the NSA backends share this path after their forward."""
+import pytest
 import torch
 
 from msa_train.quality.study import Plan
@@ -30,6 +31,17 @@ def test_a_model_that_knows_the_answers_scores_them_all(tiny_corpus, tmp_path, m
 
     before = trainer._eval_retrieval()
     assert before["eval_retrieval_accuracy"] < 0.5
+    # each cell holds one probe: its scores, with the first answer token scored as a segment of its own
+    # and added back, equal a forward of the probe alone
+    with torch.no_grad():
+        for p in probes:
+            ids, labels = p["input_ids"], p["labels"]
+            logits = trainer.model(input_ids=ids[None]).logits[0].float()
+            at = (labels != -100).nonzero()[:, 0]
+            loss = torch.nn.functional.cross_entropy(logits[at - 1], ids[at], reduction="sum")
+            cell = lambda key: before[key][p["task"]][str(len(ids))][f"{p['depth']:g}"]  # noqa: E731
+            assert cell("retrieval_answer_loss_by_cell") == pytest.approx(loss.item() / len(at), rel=1e-4)
+            assert cell("retrieval_first_token_accuracy_by_cell") == float(logits[at[0] - 1].argmax() == ids[at[0]])
 
     # memorise the probes' answers: all four in one packed sequence
     pack = pack_probes(probes, 2 * 256 + 2 * 512, 0)[0]
@@ -47,6 +59,6 @@ def test_a_model_that_knows_the_answers_scores_them_all(tiny_corpus, tmp_path, m
 
     after = trainer._eval_retrieval()
     assert after["eval_retrieval_accuracy"] == 1.0, after["eval_retrieval_accuracy"]
-    assert after["eval_retrieval_token_accuracy"] == 1.0
+    assert after["eval_retrieval_token_accuracy"] == 1.0 and after["eval_retrieval_first_token_accuracy"] == 1.0
     assert all(v == 1.0 for task in after["retrieval"].values() for cells in task.values() for v in cells.values())
     assert after["eval_retrieval_generate_accuracy"] == 1.0 and after["eval_retrieval_generate_agreement"] == 1.0

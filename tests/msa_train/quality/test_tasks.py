@@ -126,6 +126,9 @@ def test_pack_probes_and_table(hay):
     assert first["segments"].tolist() == [0] * 300 + [1] * 300 + [2] * 400
     assert torch.equal(first["input_ids"][300:600], probes[1]["input_ids"])
     assert first["position_ids"][300].item() == 0 and (first["labels"][600:] == -100).all()
+    # each probe's first answer token, where its labels start
+    answer_at = [300 - probes[0]["answer_tokens"], 600 - probes[1]["answer_tokens"]]
+    assert first["answer_at"].tolist() == answer_at and (first["labels"][torch.tensor(answer_at) - 1] == -100).all()
     table = retrieval_table(probes, [True, False, True, True])
     assert table == {"passkey": {"300": {"0": 1.0, "1": 0.0}, "500": {"0": 1.0, "1": 1.0}}}
 

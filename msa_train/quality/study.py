@@ -488,6 +488,7 @@ def _run_entry(run: Path) -> Dict[str, Any]:
             # the probes whose first answer token is the top prediction: teacher-forced, the later ones
             # can be copied on from the needle once the first is given; the first has to be found
             "retrieval_first_token_accuracy": ev.get("eval_retrieval_first_token_accuracy") if ev else None,
+            "retrieval_first_token": ev.get("retrieval_first_token_accuracy_by_cell") if ev else None,  # as `retrieval`
             # the same by task -> length (the mean over depths): does any fall off with length?
             "retrieval_by_length": _by_length(ev) if ev else None,
             "retrieval_generate_agreement": ev.get("eval_retrieval_generate_agreement") if ev else None,

@@ -141,6 +141,8 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         assert e["tokens"] == 3 * 256 and e["wall_s"] > 0 and e["final_eval_loss"] > 0
         assert set(e["retrieval"]) == {"passkey", "single_needle"} and set(e["retrieval"]["passkey"]) == {"384", "512"}
         assert 0 <= e["retrieval_token_accuracy"] <= 1 and 0 <= e["retrieval_first_token_accuracy"] <= 1
+        assert e["retrieval_first_token"].keys() == e["retrieval"].keys()
+        assert e["retrieval_first_token"]["passkey"].keys() == e["retrieval"]["passkey"].keys()
         assert e["step_at_equal_wall"] in (None, 1, 2, 3)  # None: no step done by the other run's end
         by_length = e["retrieval_by_length"]
         assert set(by_length) == {"token_accuracy", "answer_loss", "first_token_accuracy"}

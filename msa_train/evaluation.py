@@ -108,7 +108,7 @@ def lm_metrics(sums: torch.Tensor, counts: torch.Tensor, edges: Sequence[int]) -
 
 
 def _answer_scores(per_probe: torch.Tensor, need: torch.Tensor) -> Tuple[float, float, float]:
-    """Over probes' host [P, 2] (answer loss sum, argmax-correct answer tokens) and answer lengths [P]:
+    """Over probes' host [P, >= 2] (answer loss sum, argmax-correct answer tokens, ...) and answer lengths [P]:
     exact-match accuracy, the fraction of answer tokens predicted, the loss per answer token."""
     return ((per_probe[:, 1] == need).double().mean().item(), (per_probe[:, 1].sum() / need.sum()).item(),
             (per_probe[:, 0].sum() / need.sum()).item())
@@ -191,33 +191,37 @@ def retrieval_haystack(dataset, tokenizer, max_tokens: int):
 
 
 def retrieval_metrics(probes: Sequence[Dict[str, Any]], per_probe: torch.Tensor) -> Dict[str, Any]:
-    """Host metrics from the all-reduced per-probe [P, 3] (answer loss sum, argmax-correct answer
-    tokens, whether the first answer token is argmax-correct): ``retrieval`` (task -> length -> depth
-    -> exact-match accuracy), the mean accuracy overall and per task, and the graded figures that tell
-    models apart before exact matches appear: the fraction of answer tokens that are the top
-    prediction, the loss per answer token, and the fraction of probes whose first answer token is
-    (``first_token_accuracy``: teacher-forced, the later tokens can be copied on from the needle once
-    the first is given, the first has to be found), over every probe overall and per task, and as
-    the mean of each probe's by cell (``retrieval_token_accuracy_by_cell``,
-    ``retrieval_answer_loss_by_cell``, ``retrieval_first_token_accuracy_by_cell``: task -> length -> depth)."""
+    """Host metrics from the all-reduced per-probe [P, 4] (answer loss sum, argmax-correct answer
+    tokens, the first answer token's loss, whether it is argmax-correct): ``retrieval`` (task ->
+    length -> depth -> exact-match accuracy), the mean accuracy overall and per task, and the graded
+    figures that tell models apart before exact matches appear: the fraction of answer tokens that
+    are the top prediction and the loss per answer token, over every answer token; the fraction of
+    probes whose first answer token is the top prediction and its mean loss (``first_token_*``:
+    teacher-forced, the later tokens can be copied on from the needle once the first is given, the
+    first has to be found), over every probe; overall, per task, and as the mean of each probe's by
+    cell (``retrieval_token_accuracy_by_cell``, ``retrieval_answer_loss_by_cell``,
+    ``retrieval_first_token_accuracy_by_cell``, ``retrieval_first_token_loss_by_cell``: task -> length -> depth)."""
     from msa_train.quality.tasks import retrieval_table
 
     per_probe = per_probe.double().cpu()
     need = torch.tensor([p["answer_tokens"] for p in probes], dtype=torch.float64)
     if not (need > 0).all():
         raise ValueError("retrieval probes: every probe needs at least one answer token")
-    if per_probe.shape != (len(probes), 3):
-        raise ValueError(f"retrieval probes: expected per-probe scores of shape [{len(probes)}, 3], got {tuple(per_probe.shape)}")
-    names = ("accuracy", "token_accuracy", "loss", "first_token_accuracy")
-    out: Dict[str, Any] = {f"eval_retrieval_{n}": v for n, v in zip(names, _answer_scores(per_probe, need))}
-    out["eval_retrieval_first_token_accuracy"] = per_probe[:, 2].mean().item()
+    if per_probe.shape != (len(probes), 4):
+        raise ValueError(f"retrieval probes: expected per-probe scores of shape [{len(probes)}, 4], got {tuple(per_probe.shape)}")
+    out: Dict[str, Any] = dict(zip(("eval_retrieval_accuracy", "eval_retrieval_token_accuracy", "eval_retrieval_loss"),
+                                   _answer_scores(per_probe, need)))
+    out["eval_retrieval_first_token_accuracy"] = per_probe[:, 3].mean().item()
+    out["eval_retrieval_first_token_loss"] = per_probe[:, 2].mean().item()
     for task in dict.fromkeys(p["task"] for p in probes):
         mine = torch.tensor([p["task"] == task for p in probes])
         out.update(zip((f"eval_retrieval_{task}", f"eval_retrieval_{task}_token_accuracy", f"eval_retrieval_{task}_loss"),
                        _answer_scores(per_probe[mine], need[mine])))
-        out[f"eval_retrieval_{task}_first_token_accuracy"] = per_probe[mine, 2].mean().item()
+        out[f"eval_retrieval_{task}_first_token_accuracy"] = per_probe[mine, 3].mean().item()
+        out[f"eval_retrieval_{task}_first_token_loss"] = per_probe[mine, 2].mean().item()
     out["retrieval"] = retrieval_table(probes, (per_probe[:, 1] == need).tolist())
     out["retrieval_token_accuracy_by_cell"] = retrieval_table(probes, (per_probe[:, 1] / need).tolist())
     out["retrieval_answer_loss_by_cell"] = retrieval_table(probes, (per_probe[:, 0] / need).tolist())
-    out["retrieval_first_token_accuracy_by_cell"] = retrieval_table(probes, per_probe[:, 2].tolist())
+    out["retrieval_first_token_accuracy_by_cell"] = retrieval_table(probes, per_probe[:, 3].tolist())
+    out["retrieval_first_token_loss_by_cell"] = retrieval_table(probes, per_probe[:, 2].tolist())
     return out

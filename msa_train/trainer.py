@@ -668,8 +668,8 @@ class Trainer:
         pack_len = -(-longest // self.cfg.parallel.sp_degree) * self.cfg.parallel.sp_degree
         order = sorted(range(len(probes)), key=lambda i: -len(probes[i]["input_ids"]))  # longest first: fuller packs
         packs = pack_probes([probes[i] for i in order], pack_len, pad_token_id(self.tokenizer))
-        # answer loss, argmax-correct answer tokens, whether the first answer token is argmax-correct
-        per_probe = torch.zeros(len(probes), 3, device=self.device)
+        # answer loss, argmax-correct answer tokens, the first answer token's loss, whether it is argmax-correct
+        per_probe = torch.zeros(len(probes), 4, device=self.device)
         for index, counted in self._eval_shard(len(packs)):
             pack = packs[index]
             n = len(pack["probe_ids"])  # segments 0..n-1 the probes, n the padding, n+1+j probe j's first answer token
@@ -679,7 +679,7 @@ class Trainer:
             if counted:
                 rows = self._to_device(torch.tensor([order[j] for j in pack["probe_ids"]]))
                 first = out[:, n + 1:]
-                per_probe.index_add_(0, rows, torch.cat([out[:, :n] + first, first[1:]]).t())
+                per_probe.index_add_(0, rows, torch.cat([out[:, :n] + first, first]).t())
         dist.all_reduce(per_probe)
         record = retrieval_metrics(probes, per_probe)
         if self.cfg.eval.retrieval_generate:

@@ -277,9 +277,12 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
         return None
     out = work / "data" / "retrieval_phase.jsonl"
     lengths = list(plan.retrieval_phase_lengths)
+    # the training settings too: both arms must train alike, and the file is what the summary reports
     spec = {"steps": plan.retrieval_phase_steps, "lengths": lengths,
             "tokens_per_question": plan.retrieval_phase_tokens_per_query, "tasks": list(plan.retrieval_phase_tasks),
-            "copy_fraction": plan.retrieval_phase_copy_fraction}
+            "copy_fraction": plan.retrieval_phase_copy_fraction, "lr": plan.retrieval_phase_lr,
+            "schedule": plan.retrieval_phase_schedule, "warmup_steps": plan.retrieval_phase_warmup,
+            **({"decay_fraction": plan.retrieval_phase_decay} if plan.retrieval_phase_schedule == "wsd" else {})}
     if out.is_file():
         written = json.loads((work / "data" / "retrieval_phase.json").read_text())
         differ = {k: v for k, v in spec.items() if written.get(k) != v}
@@ -301,9 +304,7 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     write_jsonl(out, records)
     (work / "data" / "retrieval_phase.json").write_text(json.dumps({
         **spec, "documents": count, "copy_documents": copies, "questions": questions,
-        "seq_len": plan.retrieval_phase_seq_len, "lr": plan.retrieval_phase_lr,
-        "schedule": plan.retrieval_phase_schedule, "warmup_steps": plan.retrieval_phase_warmup,
-        **({"decay_fraction": plan.retrieval_phase_decay} if plan.retrieval_phase_schedule == "wsd" else {}),
+        "seq_len": plan.retrieval_phase_seq_len,
         "targets": "answers of the questions, repeats of the copies",
         "seed_space": "train-mix/retrieval-phase (evaluation probes: eval)"}, indent=2))
     return out

@@ -326,7 +326,11 @@ def pack_probes(probes: Sequence[Dict[str, Any]], pack_len: int, pad_id: int) ->
         for j, p in enumerate(cur):
             n = len(p[1]["input_ids"])
             ids.append(p[1]["input_ids"]), labels.append(p[1]["labels"])
-            answer_at.append(cu[-1] + int((p[1]["labels"] != IGNORE_INDEX).nonzero()[0]))
+            trained = (p[1]["labels"] != IGNORE_INDEX).nonzero()
+            if not len(trained) or int(trained[0]) == 0:
+                raise ValueError(f"pack_probes: probe {p[0]} needs an answer after some prompt (labels from position >= 1), "
+                                 f"got {'no labels' if not len(trained) else 'a label at position 0'}")
+            answer_at.append(cu[-1] + int(trained[0]))
             pos.append(torch.arange(n)), seg.append(torch.full((n,), j))
             cu.append(cu[-1] + n)
         pad = pack_len - cu[-1]

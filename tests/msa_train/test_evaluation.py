@@ -31,8 +31,9 @@ def test_retrieval_metrics_grade_every_probe():
 
     probes = [probe("passkey", 64, 0.0, 2), probe("passkey", 64, 0.0, 2), probe("passkey", 128, 1.0, 4),
               probe("multi_value", 64, 0.0, 4)]
-    # per probe: answer loss summed over its tokens, argmax-correct answer tokens, first answer token correct
-    per_probe = torch.tensor([[0.2, 2.0, 1.0], [3.0, 1.0, 0.0], [8.0, 1.0, 1.0], [4.0, 3.0, 0.0]])
+    # per probe: answer loss summed over its tokens, argmax-correct answer tokens, the first answer
+    # token's loss, whether it is correct
+    per_probe = torch.tensor([[0.2, 2.0, 0.1, 1.0], [3.0, 1.0, 2.0, 0.0], [8.0, 1.0, 0.5, 1.0], [4.0, 3.0, 1.5, 0.0]])
     m = retrieval_metrics(probes, per_probe)
     assert m["eval_retrieval_accuracy"] == 0.25 and m["eval_retrieval_passkey"] == pytest.approx(1 / 3)
     assert m["retrieval"]["passkey"]["64"]["0"] == 0.5 and m["retrieval"]["multi_value"]["64"]["0"] == 0.0
@@ -53,9 +54,12 @@ def test_retrieval_metrics_grade_every_probe():
     assert m["eval_retrieval_passkey_first_token_accuracy"] == pytest.approx(2 / 3)
     assert m["eval_retrieval_multi_value_first_token_accuracy"] == 0.0
     assert m["retrieval_first_token_accuracy_by_cell"]["passkey"] == {"64": {"0": 0.5}, "128": {"1": 1.0}}
+    assert m["eval_retrieval_first_token_loss"] == pytest.approx(1.025)
+    assert m["eval_retrieval_passkey_first_token_loss"] == pytest.approx(2.6 / 3)
+    assert m["retrieval_first_token_loss_by_cell"]["passkey"]["64"]["0"] == pytest.approx(1.05)
     with pytest.raises(ValueError, match="at least one answer token"):
-        retrieval_metrics([probe("passkey", 64, 0.0, 0)], torch.zeros(1, 3))
-    with pytest.raises(ValueError, match=r"shape \[4, 3\], got \(4, 2\)"):
+        retrieval_metrics([probe("passkey", 64, 0.0, 0)], torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"shape \[4, 4\], got \(4, 2\)"):
         retrieval_metrics(probes, per_probe[:, :2])
 
 

@@ -41,6 +41,11 @@ def test_a_model_that_knows_the_answers_scores_them_all(tiny_corpus, tmp_path, m
             loss = torch.nn.functional.cross_entropy(logits[at - 1], ids[at], reduction="sum")
             cell = lambda key: before[key][p["task"]][str(len(ids))][f"{p['depth']:g}"]  # noqa: E731
             assert cell("retrieval_answer_loss_by_cell") == pytest.approx(loss.item() / len(at), rel=1e-4)
+            first = torch.nn.functional.cross_entropy(logits[at[0] - 1], ids[at[0]])  # the first answer token's
+            assert cell("retrieval_first_token_loss_by_cell") == pytest.approx(first.item(), rel=1e-4)
+            assert len(at) > 1  # a number of several tokens: scoring the second in place of the first fails above
+            second = torch.nn.functional.cross_entropy(logits[at[1] - 1], ids[at[1]])
+            assert abs(second.item() - first.item()) > 1e-3
             assert cell("retrieval_first_token_accuracy_by_cell") == float(logits[at[0] - 1].argmax() == ids[at[0]])
 
     # memorise the probes' answers: all four in one packed sequence

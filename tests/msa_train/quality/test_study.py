@@ -178,7 +178,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     # two 256-token sequences: one retrieval document (one question) and one copy document
     assert len(records) == data["documents"] == 2 and data["questions"] == 1 and data["copy_documents"] == 1
     assert data["copy_fraction"] == 0.5 and data["tasks"] == ["passkey", "single_needle"]
-    assert (data["lr"], data["schedule"], data["warmup_steps"]) == (3e-4, "wsd", 1)
+    assert (data["lr"], data["schedule"], data["warmup_steps"], data["decay_fraction"]) == (3e-4, "wsd", 1, 0.5)
     kinds = sorted([x["train"] for x in r["segments"]] for r in records)
     assert kinds == [[False, False, True], [False, True]]  # the copy: span, text, the span again (trained)
     copy = next(r["segments"] for r in records if len(r["segments"]) == 3)
@@ -203,9 +203,17 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
                                          r"tokens_per_question=0"):
         main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
               "--retrieval-phase-lengths", "128", "--retrieval-phase-questions", "128"])
+    # and for its training settings: the two arms train alike
+    with pytest.raises(ValueError, match=r"decay_fraction=0.25: .* written for decay_fraction=0.5"):
+        main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
+              "--retrieval-phase-decay", "0.25"])
+    with pytest.raises(ValueError, match=r"schedule=constant: .* written for schedule=wsd"):
+        main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
+              "--retrieval-phase-schedule", "constant"])
     for bad in (["--retrieval-phase-lengths", "128,x"], ["--retrieval-phase-lengths", "4096"],
                 ["--retrieval-phase-questions", "-1"], ["--retrieval-phase-lr", "0"], ["--retrieval-phase-copies", "1"],
-                ["--retrieval-phase-decay", "0"], ["--retrieval-phase-decay", "1.5"]):
+                ["--retrieval-phase-decay", "0"], ["--retrieval-phase-decay", "1.5"],
+                ["--retrieval-phase-decay", "0.3", "--retrieval-phase-schedule", "constant"]):
         with pytest.raises(SystemExit, match=bad[0]):
             main(["study-c", "--work", str(work), "--tiny", "--retrieval-phase", "2", *bad])
     with pytest.raises(SystemExit):  # argparse: study-c needs --retrieval-phase

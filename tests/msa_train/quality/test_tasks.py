@@ -129,6 +129,9 @@ def test_pack_probes_and_table(hay):
     # each probe's first answer token, where its labels start
     answer_at = [300 - probes[0]["answer_tokens"], 600 - probes[1]["answer_tokens"]]
     assert first["answer_at"].tolist() == answer_at and (first["labels"][torch.tensor(answer_at) - 1] == -100).all()
+    bad = dict(probes[0], labels=torch.full_like(probes[0]["labels"], -100))
+    with pytest.raises(ValueError, match="probe 0 needs an answer after some prompt.*no labels"):
+        pack_probes([bad], 1000, pad_id=tok.pad_token_id)
     table = retrieval_table(probes, [True, False, True, True])
     assert table == {"passkey": {"300": {"0": 1.0, "1": 0.0}, "500": {"0": 1.0, "1": 1.0}}}
 

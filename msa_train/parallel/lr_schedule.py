@@ -24,9 +24,8 @@ class WarmupStableDecayLR(WarmupCosineLR):
         if self.last_batch_iteration < self.warmup_num_steps:
             return super().get_lr_ratio()
         # iterations count from 0: the last one is total_num_steps - 1 and ends at cos_min_ratio
-        decay = self.decay_num_steps
-        into_decay = self.last_batch_iteration - (self.total_num_steps - 1 - decay)
+        into_decay = self.last_batch_iteration - (self.total_num_steps - 1 - self.decay_num_steps)
         if into_decay <= 0:
             return 1.0
-        progress = min(1.0, into_decay / decay)
+        progress = min(1.0, into_decay / self.decay_num_steps)
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2

@@ -122,10 +122,10 @@ def main(argv=None) -> int:
     if getattr(args, "retrieval_phase_decay", None) is not None:
         if not 0 < args.retrieval_phase_decay <= 1:
             raise SystemExit(f"--retrieval-phase-decay {args.retrieval_phase_decay}: expected a fraction in (0, 1]")
+        if plan.retrieval_phase_schedule != "wsd":
+            raise SystemExit(f"--retrieval-phase-decay {args.retrieval_phase_decay}: only the wsd schedule decays over "
+                             f"a fraction of the steps, not --retrieval-phase-schedule {plan.retrieval_phase_schedule}")
         plan = dataclasses.replace(plan, retrieval_phase_decay=args.retrieval_phase_decay)
-    if getattr(args, "retrieval_phase_decay", None) is not None and plan.retrieval_phase_schedule != "wsd":
-        raise SystemExit(f"--retrieval-phase-decay {args.retrieval_phase_decay}: only the wsd schedule decays over "
-                         f"a fraction of the steps, not --retrieval-phase-schedule {plan.retrieval_phase_schedule}")
     if getattr(args, "retrieval_phase_copies", None) is not None:
         if not 0 <= args.retrieval_phase_copies < 1:
             raise SystemExit(f"--retrieval-phase-copies {args.retrieval_phase_copies}: expected a fraction in [0, 1)")

@@ -53,8 +53,12 @@ def main(argv=None) -> int:
                            help="study C: train study A's dense and NSA models on synthetic retrieval documents "
                                 "(answers only) and copy documents for STEPS steps, then evaluate them (default: not run)")
             s.add_argument("--retrieval-phase-lengths", default=None, metavar="N,N,...",
-                           help="study C's document lengths in tokens, drawn uniformly (default 256,512,2048; "
-                                "each at most 8190, its 8K sequence less BOS/EOS)")
+                           help="study C's document lengths in tokens, drawn uniformly (default 256,512,2048), "
+                                "each then spread by --retrieval-phase-spread; at most 8190 with the spread, its "
+                                "8K sequence less BOS/EOS")
+            s.add_argument("--retrieval-phase-spread", type=float, default=None, metavar="FRACTION",
+                           help="each study C document's length is uniform within this fraction either side of "
+                                "the length drawn (default 0.125; 0: the lengths exactly)")
             s.add_argument("--retrieval-phase-questions", type=int, default=None, metavar="TOKENS",
                            help="study C's documents ask one question per TOKENS tokens, up to 48; 0 (default): "
                                 "one question a document, so no question has another's needles as distractors")
@@ -100,14 +104,21 @@ def main(argv=None) -> int:
         if args.retrieval_phase < 1:
             raise SystemExit(f"--retrieval-phase {args.retrieval_phase}: expected a number of steps >= 1")
         plan = dataclasses.replace(plan, retrieval_phase_steps=args.retrieval_phase)
+    if getattr(args, "retrieval_phase_spread", None) is not None:
+        if not 0 <= args.retrieval_phase_spread < 1:
+            raise SystemExit(f"--retrieval-phase-spread {args.retrieval_phase_spread}: expected a fraction in [0, 1)")
+        plan = dataclasses.replace(plan, retrieval_phase_length_spread=args.retrieval_phase_spread)
     if getattr(args, "retrieval_phase_lengths", None):
         try:
             lengths = [int(x) for x in args.retrieval_phase_lengths.split(",")]
         except ValueError:
             lengths = []
-        if not lengths or not all(64 <= n <= plan.retrieval_phase_seq_len - 2 for n in lengths):
+        spread = plan.retrieval_phase_length_spread
+        top = int((plan.retrieval_phase_seq_len - 2) / (1 + spread))
+        if not lengths or not all(64 <= n <= top for n in lengths):
             raise SystemExit(f"--retrieval-phase-lengths {args.retrieval_phase_lengths}: expected comma-separated "
-                             f"token counts from 64 to {plan.retrieval_phase_seq_len - 2}")
+                             f"token counts from 64 to {top} (with the spread {spread}: at most "
+                             f"{plan.retrieval_phase_seq_len - 2} tokens, the sequence less BOS/EOS)")
         plan = dataclasses.replace(plan, retrieval_phase_lengths=lengths)
     if getattr(args, "retrieval_phase_questions", None) is not None:
         if args.retrieval_phase_questions < 0:

@@ -81,6 +81,13 @@ class Plan:
     # 0.062 and 0.080 s; benchmarks/results/probes/results.md#quality_step_times)
     retrieval_phase_seq_len: int = 8192
     retrieval_phase_lengths: List[int] = field(default_factory=lambda: [256, 512, 2048])
+    # each document's length is one of those, then uniform within this fraction of it either side
+    # (tasks.draw_length): 224-288, 448-576 and 1,792-2,304 tokens. With three fixed lengths every answer
+    # sits at one of three places, and on the CPU a model trained on one length retrieved only where
+    # its answers had sat (probes/results.md#trainer_path_variants). The shortest, 224, still holds
+    # multi-key's question and needles: at most 208 tokens of a 2,048-token BPE of the corpus (300
+    # draws), fewer of the study's 16K one (a document that cannot hold them is refused when written)
+    retrieval_phase_length_spread: float = 0.125
     # the tasks of study C's documents: the probe's three, whose questions repeat their needle's words
     # (the evaluation still asks all five)
     retrieval_phase_tasks: List[str] = field(default_factory=lambda: ["passkey", "single_needle", "multi_key"])
@@ -148,6 +155,7 @@ class Plan:
                      "eval.retrieval_depths=2", "eval.retrieval_probes=1", "eval.retrieval_generate=1"],
                     mix_fraction=0.05, mix_tasks=["passkey", "single_needle"], mix_lengths=[256], mix_tokens_per_query=0,
                     haystack_tokens=20_000, seq_len=256, retrieval_phase_seq_len=256, retrieval_phase_lengths=[256],
+                    retrieval_phase_length_spread=0.05,
                     retrieval_phase_tasks=["passkey", "single_needle"], retrieval_phase_warmup=1,
                     conversion_steps=2, conversion_warmup=1, distill_steps=3,
                     min_piece_s=0.0, eval_reserve_s=0.0)
@@ -278,7 +286,7 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     out = work / "data" / "retrieval_phase.jsonl"
     lengths = list(plan.retrieval_phase_lengths)
     # the training settings too: both arms must train alike, and the file is what the summary reports
-    spec = {"steps": plan.retrieval_phase_steps, "lengths": lengths,
+    spec = {"steps": plan.retrieval_phase_steps, "lengths": lengths, "length_spread": plan.retrieval_phase_length_spread,
             "tokens_per_question": plan.retrieval_phase_tokens_per_query, "tasks": list(plan.retrieval_phase_tasks),
             "copy_fraction": plan.retrieval_phase_copy_fraction, "lr": plan.retrieval_phase_lr,
             "schedule": plan.retrieval_phase_schedule, "warmup_steps": plan.retrieval_phase_warmup,
@@ -297,9 +305,10 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     copies = round(plan.retrieval_phase_copy_fraction * count)
     records = training_records(plan.retrieval_phase_tasks, tok, haystack, lengths, count - copies,
                                seed="retrieval-phase", tokens_per_query=plan.retrieval_phase_tokens_per_query,
-                               max_queries=plan.mix_max_queries)
+                               max_queries=plan.mix_max_queries, spread=plan.retrieval_phase_length_spread)
     questions = sum(sum(x["train"] for x in r["segments"]) for r in records)
-    records += copy_records(tok, haystack, lengths, copies, seed="retrieval-phase")
+    records += copy_records(tok, haystack, lengths, copies, seed="retrieval-phase",
+                            spread=plan.retrieval_phase_length_spread)
     random.Random("retrieval-phase/order").shuffle(records)  # copies and questions mixed through every step
     write_jsonl(out, records)
     (work / "data" / "retrieval_phase.json").write_text(json.dumps({

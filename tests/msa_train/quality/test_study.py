@@ -80,10 +80,14 @@ def test_study_c_sequences_pack_its_documents_without_much_padding():
     import numpy as np
 
     from msa_train.data.packing import plan_packing
+    from msa_train.quality.tasks import draw_length
 
     plan = Plan.gpu()
+    assert plan.retrieval_phase_length_spread == 0.125
     rng = random.Random(0)
-    lengths = np.array([rng.choice(plan.retrieval_phase_lengths) + 2 + rng.randint(0, 40) for _ in range(6000)])
+    # each document's tokens: its drawn length (tasks.draw_length), BOS/EOS, and up to 40 of re-tokenising the text
+    lengths = np.array([draw_length(rng, plan.retrieval_phase_lengths, plan.retrieval_phase_length_spread) + 2
+                        + rng.randint(0, 40) for _ in range(6000)])
     packed = plan_packing(lengths, plan.retrieval_phase_seq_len, seed=0)
     assert 1 - lengths.sum() / (len(packed) * plan.retrieval_phase_seq_len) < 0.05
     per_sequence = np.diff(packed.seq_ptr)
@@ -179,6 +183,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     assert len(records) == data["documents"] == 2 and data["questions"] == 1 and data["copy_documents"] == 1
     assert data["copy_fraction"] == 0.5 and data["tasks"] == ["passkey", "single_needle"]
     assert (data["lr"], data["schedule"], data["warmup_steps"], data["decay_fraction"]) == (3e-4, "wsd", 1, 0.5)
+    assert data["lengths"] == [256] and data["length_spread"] == 0.05
     kinds = sorted([x["train"] for x in r["segments"]] for r in records)
     assert kinds == [[False, False, True], [False, True]]  # the copy: span, text, the span again (trained)
     copy = next(r["segments"] for r in records if len(r["segments"]) == 3)
@@ -203,6 +208,9 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
                                          r"tokens_per_question=0"):
         main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
               "--retrieval-phase-lengths", "128", "--retrieval-phase-questions", "128"])
+    with pytest.raises(ValueError, match=r"length_spread=0.0: .* written for length_spread=0.05"):
+        main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
+              "--retrieval-phase-spread", "0"])
     # and for its training settings: the two arms train alike
     with pytest.raises(ValueError, match=r"decay_fraction=0.25: .* written for decay_fraction=0.5"):
         main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
@@ -211,6 +219,8 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
         main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2",
               "--retrieval-phase-schedule", "constant"])
     for bad in (["--retrieval-phase-lengths", "128,x"], ["--retrieval-phase-lengths", "4096"],
+                ["--retrieval-phase-lengths", "250"],  # 250 * 1.05 > 254, the tiny sequence less BOS/EOS
+                ["--retrieval-phase-spread", "1"], ["--retrieval-phase-spread", "-0.1"],
                 ["--retrieval-phase-questions", "-1"], ["--retrieval-phase-lr", "0"], ["--retrieval-phase-copies", "1"],
                 ["--retrieval-phase-decay", "0"], ["--retrieval-phase-decay", "1.5"],
                 ["--retrieval-phase-decay", "0.3", "--retrieval-phase-schedule", "constant"]):

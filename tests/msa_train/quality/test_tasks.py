@@ -190,3 +190,33 @@ def test_copy_records_repeat_a_span_of_text_and_train_only_the_repeat(hay, tmp_p
         repeat, before = ids[trained[0]:trained[-1] + 1].tolist(), ids[:trained[0]].tolist()
         hits = [j for j in range(len(before) - len(repeat) + 1) if before[j:j + len(repeat)] == repeat]
         assert len(hits) == 1 and hits[0] <= 1, (i, hits)  # at the start (after BOS, where the recipe adds one)
+
+
+def test_draw_length_spreads_each_length_and_without_a_spread_draws_as_before():
+    from msa_train.quality.tasks import draw_length
+
+    a, b = random.Random(3), random.Random(3)
+    assert [draw_length(a, [256, 512, 2048]) for _ in range(50)] == [b.choice([256, 512, 2048]) for _ in range(50)]
+    assert a.random() == b.random()  # no draw beyond the choice: the study's mix is unchanged
+    rng = random.Random(4)
+    got = [draw_length(rng, [256, 2048], 0.125) for _ in range(4000)]
+    short, long = [n for n in got if n < 1000], [n for n in got if n >= 1000]
+    assert min(short) == 224 and max(short) == 288 and min(long) == 1792 and max(long) == 2304
+    assert len(set(short)) == 65 and abs(sum(short) / len(short) - 256) < 2  # every length, centred
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=f"spread {bad}: expected a fraction in"):
+            draw_length(rng, [256], bad)
+
+
+def test_spread_records_vary_their_length(hay):
+    """Retrieval and copy documents with a spread: their lengths vary around each given length, within it."""
+    from msa_train.quality.tasks import copy_records
+
+    tok, haystack = hay
+    tasks = ["passkey", "single_needle", "multi_key"]
+    records = training_records(tasks, tok, haystack, [1024], 40, seed="s", spread=0.125)
+    sizes = [len(tok("".join(x["text"] for x in r["segments"]), add_special_tokens=False)["input_ids"]) for r in records]
+    assert 896 - 8 <= min(sizes) < 940 and 1100 < max(sizes) <= 1152 + 8, sizes
+    assert training_records(tasks, tok, haystack, [1024], 40, seed="s", spread=0.125) == records  # seeded
+    copies = copy_records(tok, haystack, [1024], 40, seed="s", spread=0.125)
+    assert len({len("".join(x["text"] for x in r["segments"])) for r in copies}) > 30

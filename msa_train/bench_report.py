@@ -108,9 +108,12 @@ class Point:
 
 
 def grid(models: Sequence[str], seq_lens: Sequence[int], depths: Optional[Sequence[int]] = None,
-         options: Sequence[str] = ("same", "fastest")) -> List[Point]:
-    """Every point of the report: each model at full depth and at the fit depths, each arm, the given
-    options (outermost, so that a report split over device calls finishes one comparison first)."""
+         options: Sequence[str] = ("same", "fastest"), arms: Sequence[str] = ARMS) -> List[Point]:
+    """Every point of the report: each model at full depth and at the fit depths, each of ``arms`` in
+    their order, the given options (outermost, so that a report split over device calls finishes one
+    comparison first)."""
+    if not arms or any(a not in ARMS for a in arms):
+        raise ValueError(f"arms: expected some of {', '.join(ARMS)}, got {', '.join(arms) or 'none'}")
     points = []
     for opts in options:
         if opts not in ("same", "fastest"):
@@ -120,7 +123,7 @@ def grid(models: Sequence[str], seq_lens: Sequence[int], depths: Optional[Sequen
             layer_list = sorted({*(depths or FIT_DEPTHS), *([full] if model == "llama3_8b" or depths else [])})
             for T in seq_lens:
                 for L in layer_list:
-                    points.extend(Point(model, a, T, L, opts) for a in ARMS)
+                    points.extend(Point(model, a, T, L, opts) for a in arms)
     return points
 
 
@@ -498,6 +501,9 @@ def report(argv: Sequence[str]) -> List[Dict]:
     p.add_argument("--seq-lens", default="65536,131072,262144")
     p.add_argument("--depths", default=None, help="comma-separated depths (default 4,8,16 and Llama3-8B's 32)")
     p.add_argument("--options", default="same,fastest", help="which comparisons, comma-separated: same, fastest")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help="which attentions to run, in this order (a report split over device calls; the table "
+                        "compares whatever points.jsonl holds)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=540, help="seconds per point")
@@ -516,7 +522,8 @@ def report(argv: Sequence[str]) -> List[Dict]:
     peak = peak_tflops_of(device)
     models = args.models.split(",")
     depths = [int(x) for x in args.depths.split(",")] if args.depths else None
-    points = grid(models, [int(x) for x in args.seq_lens.split(",")], depths, args.options.split(","))
+    points = grid(models, [int(x) for x in args.seq_lens.split(",")], depths, args.options.split(","),
+                  args.arms.split(","))
     work = out / "runs"
     from msa_train.parallel.planner import host_available_gb
 

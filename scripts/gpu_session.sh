@@ -34,14 +34,14 @@ for stage in $stages; do
     report) # the full-depth end-to-end report (python -m msa_train.bench report), in pieces: points accumulate
             # in /tmp/e2e_report while the machine stays warm; each call starts points for REPORT_MINUTES and packs
             # latest.{json,md,png} and points.jsonl into $OUT/e2e_report.tgz (REPORT_MODELS, REPORT_LENS, REPORT_DEPTHS,
-            # REPORT_OPTIONS, REPORT_STEPS and REPORT_WARMUP choose a part of the grid)
+            # REPORT_OPTIONS, REPORT_ARMS, REPORT_STEPS and REPORT_WARMUP choose a part of the grid)
       mkdir -p /tmp/e2e_report
       # a fresh machine starts from the committed report's points (bench_report.seed_points: those that ran
       # on this GPU with the same steps and warmup; the report says which it took, or why none)
       [ -f /tmp/e2e_report/points.jsonl ] || cp benchmarks/results/e2e/latest.json /tmp/e2e_report/latest.json
       timeout 590 python3 -m msa_train.bench report --out /tmp/e2e_report --max-minutes "${REPORT_MINUTES:-7}" \
         --models "${REPORT_MODELS:-llama3_8b,qwen3_14b,qwen25_32b}" --seq-lens "${REPORT_LENS:-65536,131072,262144}" \
-        --options "${REPORT_OPTIONS:-same,fastest}" --steps "${REPORT_STEPS:-4}" --warmup "${REPORT_WARMUP:-1}" \
+        --options "${REPORT_OPTIONS:-same,fastest}" --arms "${REPORT_ARMS:-full,nsa,fmsa}" --steps "${REPORT_STEPS:-4}" --warmup "${REPORT_WARMUP:-1}" \
         ${REPORT_DEPTHS:+--depths $REPORT_DEPTHS} 2>&1 | tail -20 | tee "$OUT/e2e_report.log"
       (cd /tmp/e2e_report && tar czf "$OUT/e2e_report.tgz" --ignore-failed-read latest.json latest.md latest.png points.jsonl) ;;
     plancheck)  # the memory planner against measured peaks (python -m msa_train.bench plan-check)

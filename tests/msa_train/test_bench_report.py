@@ -279,6 +279,10 @@ def test_the_grid_puts_the_options_outermost_and_refuses_unknown_ones():
     assert {p.options for p in bench_report.grid(["llama3_8b"], [1024], [4], ["same"])} == {"same"}
     with pytest.raises(ValueError, match="options: expected 'same' or 'fastest', got 'fast'"):
         bench_report.grid(["llama3_8b"], [1024], [4], ["fast"])
+    some = bench_report.grid(["llama3_8b"], [1024], [4], ["same"], arms=["fmsa", "full"])
+    assert [(p.attention, p.layers) for p in some] == [("fmsa", 4), ("full", 4), ("fmsa", 32), ("full", 32)]
+    with pytest.raises(ValueError, match="arms: expected some of full, nsa, fmsa, got dense"):
+        bench_report.grid(["llama3_8b"], [1024], [4], ["same"], arms=["dense"])
 
 
 def test_one_measured_depth_is_not_a_fit_and_the_failed_points_are_listed(tmp_path):

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", required=True, help="a corpus directory of `python -m msa_train.quality corpus`")
     p.add_argument("--lengths", default="256", help="training document lengths in tokens, one drawn per step "
                                                     "(a step's documents share it)")
+    p.add_argument("--spread", type=float, default=0.0,
+                   help="each step's length uniform within this fraction either side of the one drawn "
+                        "(tasks.draw_length, study C's --retrieval-phase-spread; default 0: exactly)")
     p.add_argument("--eval-lengths", default=None, help="probe lengths scored at every evaluation (default: --lengths)")
     p.add_argument("--batch", type=int, default=8, help="documents per step")
     p.add_argument("--steps", type=int, default=3000, help="retrieval-phase steps (after any pretraining)")
@@ -84,6 +87,8 @@ class _Probe:
         self.args = args
         self.train_lengths = _ints(args.lengths, "--lengths")
         self.eval_lengths = _ints(args.eval_lengths, "--eval-lengths") if args.eval_lengths else self.train_lengths
+        if not 0 <= args.spread < 1:
+            raise SystemExit(f"--spread {args.spread}: expected a fraction in [0, 1)")
         if not 0 <= args.copy_fraction < 1:
             raise SystemExit(f"--copy-fraction {args.copy_fraction}: expected a fraction in [0, 1)")
         corpus = Path(args.corpus)
@@ -105,7 +110,8 @@ class _Probe:
                            for n in self.eval_lengths}
         except ValueError as e:
             raise SystemExit(f"--eval-lengths {args.eval_lengths or args.lengths}: {e}") from None
-        longest = max(self.train_lengths + self.eval_lengths + [args.pretrain_length if args.pretrain_steps else 0])
+        longest = max([round(n * (1 + args.spread)) for n in self.train_lengths] + self.eval_lengths
+                      + [args.pretrain_length if args.pretrain_steps else 0])
         cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                           max_position_embeddings=max(4096, longest), rope_theta=args.rope_theta,
@@ -139,9 +145,9 @@ class _Probe:
         return torch.tensor(span + filler + span), torch.tensor([-100] * (n - len(span) + 1) + span[1:])
 
     def batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        from msa_train.quality.tasks import training_document
+        from msa_train.quality.tasks import draw_length, training_document
 
-        n = self.len_rng.choice(self.train_lengths)  # one length a step: the batch is stacked
+        n = draw_length(self.len_rng, self.train_lengths, self.args.spread)  # one length a step: the batch is stacked
         xs, ys = [], []
         for _ in range(self.n_copy):
             x, y = self.copy_document(n)
@@ -192,7 +198,7 @@ def run(args: argparse.Namespace, emit=print) -> List[Dict]:
     torch.set_num_threads(args.threads)
     probe = _Probe(args)
     start, lines, hits = time.time(), [], 0
-    common = {"seed": args.seed, "lengths": probe.train_lengths, "copy_fraction": args.copy_fraction,
+    common = {"seed": args.seed, "lengths": probe.train_lengths, "spread": args.spread, "copy_fraction": args.copy_fraction,
               "copy_kind": args.copy_kind, "loss_targets": args.loss, "batch": args.batch, "lr": args.lr,
               "schedule": args.schedule, "rope_theta": args.rope_theta, "pretrain_steps": args.pretrain_steps}
     pre_rng = random.Random(f"pretrain{args.seed}")

@@ -40,6 +40,9 @@ def test_a_step_mixes_copies_and_questions_at_one_drawn_length(tiny_corpus):
         assert all(t >= x.shape[1] // 4 - 1 for t in targets[:2].tolist())
         assert all(0 < t < 32 for t in targets[2:].tolist())
     assert seen == {256, 384}
+    p = probe._Probe(_args(corpus, "--copy-fraction", "0.5", "--lengths", "384", "--spread", "0.125"))
+    seen = {p.batch()[0].shape[1] for _ in range(12)}
+    assert len(seen) > 6 and min(seen) >= 336 and max(seen) <= 432  # a length a step, within 12.5% of 384
 
 
 def test_run_scores_every_eval_length_and_repeats_itself(tiny_corpus):
@@ -60,7 +63,8 @@ def test_run_scores_every_eval_length_and_repeats_itself(tiny_corpus):
 @pytest.mark.parametrize("extra, message", [(["--lengths", "12"], "--lengths 12"),
                                             (["--eval-lengths", "a,b"], "--eval-lengths a,b"),
                                             (["--lengths", "256", "--eval-lengths", "96"], "--eval-lengths 96: .*fixed text"),
-                                            (["--copy-fraction", "1.0"], "--copy-fraction 1.0")])
+                                            (["--copy-fraction", "1.0"], "--copy-fraction 1.0"),
+                                            (["--spread", "1"], "--spread 1.0: expected a fraction")])
 def test_bad_arguments_name_themselves(tiny_corpus, extra, message):
     _, corpus, _ = tiny_corpus
     with pytest.raises(SystemExit, match=message):

@@ -506,6 +506,125 @@ def plot(res, path):
     fig.savefig(path, dpi=120)
 
 
+DENSE_ARMS = ("varlen_flash2", "varlen_cudnn", "sdpa_cudnn_per_document")
+
+
+def packed_dense(args):
+    """--packed-dense: the dense kernels ``attention=full`` could run on a packed row (several documents
+    in one sequence, causal within each), Llama3-8B's heads: torch's varlen_attn (FlashAttention-2),
+    cuDNN's fused attention with document offsets (models/attention.py ``_varlen_cudnn``), and one
+    cuDNN SDPA per document (host offsets: the bound a per-document loop reaches). Each arm is checked
+    first (bf16, o and every gradient against fp32 SDPA per document, at 8K in four documents), then
+    forward and forward + backward timed (do_bench median) per T and document split. Writes
+    OUT/packed_dense.{json,md}."""
+    import random
+
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from msa_train.models import attention as A
+
+    HQ, HK, D = MODELS["llama3_8b"]
+    dev = os.environ.get("BENCH_DEVICE", "cuda")
+
+    def per_document(q, k, v, bounds, backend=SDPBackend.CUDNN_ATTENTION, dtype=None):
+        outs = []
+        with sdpa_kernel([backend]):
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                x = [t[:, :, a:b] if dtype is None else t[:, :, a:b].to(dtype) for t in (q, k, v)]
+                outs.append(A._sdpa_causal(*x, D ** -0.5))
+        return torch.cat(outs, 2).transpose(1, 2)
+
+    arms = {"varlen_flash2": lambda q, k, v, cu, mx, b: A._varlen_flash(q, k, v, None, cu, mx),
+            "varlen_cudnn": lambda q, k, v, cu, mx, b: A._varlen_cudnn(q, k, v, None, cu, mx),
+            "sdpa_cudnn_per_document": lambda q, k, v, cu, mx, b: per_document(q, k, v, b)}
+
+    def inputs(lengths, seed):
+        T = sum(lengths)
+        g = torch.Generator(device=dev).manual_seed(seed)
+
+        def rnd(*shape):  # random, never zero
+            x = torch.randn(*shape, device=dev, generator=g)
+            return torch.where(x.abs() < 1e-3, torch.full_like(x, 1e-3), x).to(torch.bfloat16)
+        q, k, v = (rnd(1, h, T, D).requires_grad_() for h in (HQ, HK, HK))
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        return q, k, v, rnd(1, T, HQ, D), cu, max(lengths), bounds
+
+    res = {"meta": dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, heads=[HQ, HK, D],
+                        timing=f"do_bench median (warmup {args.warmup}, rep {args.rep} ms)"), "check": {}, "rows": []}
+    path = os.path.join(args.out, "packed_dense")
+
+    def save():
+        json.dump(res, open(path + ".json", "w"), indent=1)
+        lines = [f"# Dense attention over packed rows, {res['meta']['gpu']}", "",
+                 f"Llama3-8B heads ({HQ} query / {HK} KV, D {D}), bf16, causal within each document; "
+                 f"{res['meta']['timing']}. Check: relative RMS against fp32 SDPA per document (8K, four documents).",
+                 "", "| arm | o | dq | dk | dv | ok |", "|---|---|---|---|---|---|"]
+        for arm, c in res["check"].items():
+            lines.append(f"| {arm} | " + " | ".join(f"{c[x]:.2e}" if x in c else "-" for x in ("o", "dq", "dk", "dv"))
+                         + f" | {c.get('ok', c.get('error', '-'))} |")
+        lines += ["", "| T | documents | " + " | ".join(f"{a} fwd / fwd+bwd ms" for a in DENSE_ARMS) + " |",
+                  "|---|---|" + "---|" * len(DENSE_ARMS)]
+        for r in res["rows"]:
+            lines.append(f"| {r['T']:,} | {r['split']} | " + " | ".join(
+                f"{r[a + '_fwd_ms']:.1f} / {r[a + '_fwdbwd_ms']:.1f}" if a + "_fwdbwd_ms" in r else r.get(a + "_error", "-")[:60]
+                for a in DENSE_ARMS) + " |")
+        open(path + ".md", "w").write("\n".join(lines) + "\n")
+
+    q, k, v, do, cu, mx, bounds = inputs([1000, 3000, 192, 4000], seed=1)
+    ref = per_document(q, k, v, bounds, backend=SDPBackend.MATH, dtype=torch.float32)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.float())
+    for arm, fn in arms.items():
+        try:
+            o = fn(q, k, v, cu, mx, bounds)
+            grads = torch.autograd.grad(o, (q, k, v), do)
+            c = {"o": rel_rms(o.float(), ref)}
+            c.update({n: rel_rms(g.float(), r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+            c["ok"] = all(x < 1e-2 for x in c.values())
+        except Exception as e:  # noqa: BLE001 - an arm this torch lacks is reported, not fatal
+            c = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        res["check"][arm] = c
+        print(f"check {arm}: {c}", flush=True)
+    save()
+    t_start = time.time()
+    for T in [int(t) for t in args.Ts.split(",")]:
+        rng = random.Random(T)
+        mixed, left = [], T
+        while left > 0:  # lengths log-uniform from 1K to T/4, as packed documents of a real corpus vary
+            mixed.append(min(left, int(2 ** rng.uniform(10, math.log2(T // 4)))))
+            left -= mixed[-1]
+        for split, lengths in (("1", [T]), ("4 equal", [T // 4] * 4), ("16 equal", [T // 16] * 16),
+                               (f"{len(mixed)} mixed", mixed)):
+            if time.time() - t_start > args.budget_s:
+                print(f"budget reached: skipping T={T} {split}", flush=True)
+                continue
+            row = {"T": T, "split": split, "lengths": lengths}
+            res["rows"].append(row)
+            q, k, v, do, cu, mx, bounds = inputs(lengths, seed=0)
+            for arm, fn in arms.items():
+                if not res["check"][arm].get("ok"):
+                    row[arm + "_error"] = "not timed: check failed"
+                    continue
+                try:
+                    with torch.no_grad():
+                        row[arm + "_fwd_ms"] = triton.testing.do_bench(lambda: fn(q, k, v, cu, mx, bounds),
+                                                                       warmup=args.warmup, rep=args.rep, return_mode="median")
+                    row[arm + "_fwdbwd_ms"] = triton.testing.do_bench(
+                        lambda: fn(q, k, v, cu, mx, bounds).backward(do), warmup=args.warmup, rep=args.rep,
+                        grad_to_none=[q, k, v], return_mode="median")
+                except Exception as e:  # noqa: BLE001
+                    row[arm + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            del q, k, v, do
+            torch.cuda.empty_cache()
+            save()
+            print(json.dumps({k_: (round(v_, 2) if isinstance(v_, float) else v_) for k_, v_ in row.items()
+                              if k_ != "lengths"}), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -533,7 +652,12 @@ def main():
                         "e.g. 'fmsa.seg_tiles=32;fmsa.bwd_stages=2,fmsa.seg_tiles=32' (docs/nsa_kernels.md)")
     p.add_argument("--dense-from", default=None,
                    help="take the dense SDPA rows from an earlier nsa_h200.json (same machine kind) instead of re-timing them")
+    p.add_argument("--packed-dense", action="store_true",
+                   help="instead: the dense kernels attention=full could run on packed rows (packed_dense.{json,md})")
     args = p.parse_args()
+    if args.packed_dense:
+        os.makedirs(args.out, exist_ok=True)
+        return packed_dense(args)
     if args.plot_only:
         res = json.load(open(args.plot_only))
         d = os.path.dirname(os.path.abspath(args.plot_only))

@@ -73,3 +73,64 @@ def test_the_varlen_route_passes_the_packed_layout_gqa_and_causality(monkeypatch
     out = att._full_attention(q, k, v, 0.25, cu, 70)
     assert calls == [(70, (-1, 0), True)]
     torch.testing.assert_close(out, _reference(q, k, v, cu, 0.25), rtol=1e-4, atol=1e-5)
+
+
+def _per_document(q, k, v, cu, scale):
+    """[T, H, D] (as many KV heads as query heads) -> [T, H, D], causal within each document."""
+    b = cu.tolist()
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
+        scale=scale).transpose(0, 1) for s, e in zip(b[:-1], b[1:])])
+
+
+def test_the_cudnn_varlen_route_passes_the_packed_layout_gqa_scale_and_gradients(monkeypatch):
+    """_varlen_cudnn on the CPU with cuDNN's two ops replaced by their contract (per-document SDPA):
+    the packed [T, H, D] layout, KV heads repeated (their gradients summed back), the scale, the offsets
+    and the longest document reach the ops, and the output and gradients are the reference's."""
+    bounds = [0, 40, 41, 111]
+    q, k, v = (x.requires_grad_() for x in _qkv(bounds[-1]))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    seen = []
+
+    def fake_forward(q_, k_, v_, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale=None):
+        assert q_.shape == k_.shape == (111, 4, 16) and bias is None and causal and lse and dropout == 0.0
+        seen.append((max_q, max_k, scale, cu_q is cu_k))
+        out = _per_document(q_, k_, v_, cu_q, scale)
+        return out, torch.zeros(4, 111), cu_q, cu_k, max_q, max_k, torch.zeros(()), torch.zeros(()), None
+
+    def fake_backward(do, q_, k_, v_, out, lse, seed, offset, bias, cu_q, cu_k, max_q, max_k, dropout, causal, *,
+                      scale=None):
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q_, k_, v_)]
+            return torch.autograd.grad(_per_document(*leaves, cu_q, scale), leaves, do)
+
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", fake_forward)
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_backward", fake_backward)
+    out = att._varlen_cudnn(q, k, v, 0.25, cu, 70)
+    assert seen == [(70, 70, 0.25, True)]
+    ref_leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    ref = _reference(*ref_leaves, cu, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    do = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, ref_leaves, do)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's fused attention needs CUDA")
+@pytest.mark.parametrize("HQ,HK,D", [(4, 4, 64), (8, 2, 128), (10, 2, 128)], ids=["g1-d64", "g4-d128", "g5-d128"])
+def test_the_cudnn_varlen_route_on_the_gpu(HQ, HK, D):
+    """cuDNN itself (bf16) against the fp32 reference: output and gradients within 5e-3 relative RMS."""
+    bounds = [0, 500, 501, 1300, 2048]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, 2048, D, device="cuda", generator=g).bfloat16().requires_grad_() for h in (HQ, HK, HK))
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    out = att._varlen_cudnn(q, k, v, D ** -0.5, cu, 800)
+    leaves = [x.detach().float().cpu().requires_grad_() for x in (q, k, v)]
+    ref = _reference(*leaves, cu.cpu(), D ** -0.5)
+    do = torch.randn_like(ref)
+
+    def rel(a, b):
+        return ((a.float().cpu() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+    assert rel(out, ref) < 5e-3
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), do.cuda().bfloat16()), torch.autograd.grad(ref, leaves, do)):
+        assert rel(got, want) < 5e-3

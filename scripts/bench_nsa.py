@@ -554,8 +554,9 @@ def packed_dense(args):
         cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
         return q, k, v, rnd(1, T, HQ, D), cu, max(lengths), bounds
 
-    res = {"meta": dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__, heads=[HQ, HK, D],
-                        timing=f"do_bench median (warmup {args.warmup}, rep {args.rep} ms)"), "check": {}, "rows": []}
+    res = {"meta": dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else dev, torch=torch.__version__,
+                        heads=[HQ, HK, D], timing=f"do_bench median (warmup {args.warmup}, rep {args.rep} ms)"),
+           "check": {}, "rows": []}
     path = os.path.join(args.out, "packed_dense")
 
     def save():
@@ -569,10 +570,12 @@ def packed_dense(args):
                          + f" | {c.get('ok', c.get('error', '-'))} |")
         lines += ["", "| T | documents | " + " | ".join(f"{a} fwd / fwd+bwd ms" for a in DENSE_ARMS) + " |",
                   "|---|---|" + "---|" * len(DENSE_ARMS)]
+        def cell(r, a):
+            if a + "_fwdbwd_ms" in r:
+                return f"{r[a + '_fwd_ms']:.1f} / {r[a + '_fwdbwd_ms']:.1f}"
+            return r.get(a + "_error", "-")[:60]
         for r in res["rows"]:
-            lines.append(f"| {r['T']:,} | {r['split']} | " + " | ".join(
-                f"{r[a + '_fwd_ms']:.1f} / {r[a + '_fwdbwd_ms']:.1f}" if a + "_fwdbwd_ms" in r else r.get(a + "_error", "-")[:60]
-                for a in DENSE_ARMS) + " |")
+            lines.append(f"| {r['T']:,} | {r['split']} | " + " | ".join(cell(r, a) for a in DENSE_ARMS) + " |")
         open(path + ".md", "w").write("\n".join(lines) + "\n")
 
     q, k, v, do, cu, mx, bounds = inputs([1000, 3000, 192, 4000], seed=1)
@@ -611,8 +614,8 @@ def packed_dense(args):
                     continue
                 try:
                     with torch.no_grad():
-                        row[arm + "_fwd_ms"] = triton.testing.do_bench(lambda: fn(q, k, v, cu, mx, bounds),
-                                                                       warmup=args.warmup, rep=args.rep, return_mode="median")
+                        row[arm + "_fwd_ms"] = triton.testing.do_bench(
+                            lambda: fn(q, k, v, cu, mx, bounds), warmup=args.warmup, rep=args.rep, return_mode="median")
                     row[arm + "_fwdbwd_ms"] = triton.testing.do_bench(
                         lambda: fn(q, k, v, cu, mx, bounds).backward(do), warmup=args.warmup, rep=args.rep,
                         grad_to_none=[q, k, v], return_mode="median")

@@ -198,9 +198,10 @@ def run(args: argparse.Namespace, emit=print) -> List[Dict]:
     torch.set_num_threads(args.threads)
     probe = _Probe(args)
     start, lines, hits = time.time(), [], 0
-    common = {"seed": args.seed, "lengths": probe.train_lengths, "spread": args.spread, "copy_fraction": args.copy_fraction,
-              "copy_kind": args.copy_kind, "loss_targets": args.loss, "batch": args.batch, "lr": args.lr,
-              "schedule": args.schedule, "rope_theta": args.rope_theta, "pretrain_steps": args.pretrain_steps}
+    common = {"seed": args.seed, "lengths": probe.train_lengths, "spread": args.spread,
+              "copy_fraction": args.copy_fraction, "copy_kind": args.copy_kind, "loss_targets": args.loss,
+              "batch": args.batch, "lr": args.lr, "schedule": args.schedule, "rope_theta": args.rope_theta,
+              "pretrain_steps": args.pretrain_steps}
     pre_rng = random.Random(f"pretrain{args.seed}")
     for pstep in range(1, args.pretrain_steps + 1):
         x = torch.tensor([probe.train_hay.window(pre_rng, args.pretrain_length, anywhere=True)

@@ -286,7 +286,8 @@ def prepare_retrieval_phase(plan: Plan, work: Path) -> Optional[Path]:
     out = work / "data" / "retrieval_phase.jsonl"
     lengths = list(plan.retrieval_phase_lengths)
     # the training settings too: both arms must train alike, and the file is what the summary reports
-    spec = {"steps": plan.retrieval_phase_steps, "lengths": lengths, "length_spread": plan.retrieval_phase_length_spread,
+    spec = {"steps": plan.retrieval_phase_steps, "lengths": lengths,
+            "length_spread": plan.retrieval_phase_length_spread,
             "tokens_per_question": plan.retrieval_phase_tokens_per_query, "tasks": list(plan.retrieval_phase_tasks),
             "copy_fraction": plan.retrieval_phase_copy_fraction, "lr": plan.retrieval_phase_lr,
             "schedule": plan.retrieval_phase_schedule, "warmup_steps": plan.retrieval_phase_warmup,

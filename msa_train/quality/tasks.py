@@ -441,8 +441,9 @@ def copy_document(rng: random.Random, haystack: Haystack, n: int,
 
 def copy_records(tokenizer, haystack: Haystack, lengths: Sequence[int], count: int, seed: str,
                  spread: float = 0.0) -> List[Dict[str, Any]]:
-    """``count`` copy documents as pretraining records for study C (lengths: :func:`draw_length`): a span S of real text (a
-    quarter to a half of the document's length, from ``haystack``), more text, then S again; only S's
+    """``count`` copy documents as pretraining records for study C (lengths: :func:`draw_length`): a
+    span S of real text (a quarter to a half of the document's length, from ``haystack``), more text,
+    then S again; only S's
     second copy trains, so its trained tokens are predictable by finding the first copy and copying on
     (an induction head, which answering a needle's question also is: the question repeats the
     needle's words and the value follows them). Each copy is a segment of its own, so the data

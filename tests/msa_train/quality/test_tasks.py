@@ -215,7 +215,8 @@ def test_spread_records_vary_their_length(hay):
     tok, haystack = hay
     tasks = ["passkey", "single_needle", "multi_key"]
     records = training_records(tasks, tok, haystack, [1024], 40, seed="s", spread=0.125)
-    sizes = [len(tok("".join(x["text"] for x in r["segments"]), add_special_tokens=False)["input_ids"]) for r in records]
+    sizes = [len(tok("".join(x["text"] for x in r["segments"]), add_special_tokens=False)["input_ids"])
+             for r in records]
     assert 896 - 8 <= min(sizes) < 940 and 1100 < max(sizes) <= 1152 + 8, sizes
     assert training_records(tasks, tok, haystack, [1024], 40, seed="s", spread=0.125) == records  # seeded
     copies = copy_records(tok, haystack, [1024], 40, seed="s", spread=0.125)

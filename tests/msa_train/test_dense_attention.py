@@ -23,6 +23,15 @@ def _qkv(T, HQ=4, HK=2, D=16, seed=0):
     return [torch.randn(1, h, T, D, generator=g) for h in (HQ, HK, HK)]
 
 
+def _per_document(q, k, v, cu, scale):
+    """The packed contract on [T, H, D] (KV heads dividing query heads): SDPA's math path, causal
+    within each document of the offsets ``cu``."""
+    b = cu.tolist()
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True, scale=scale,
+        enable_gqa=True).transpose(0, 1) for s, e in zip(b[:-1], b[1:])])
+
+
 @pytest.mark.parametrize("cuda,dtype,docs,varlen,expect", [
     (True, torch.bfloat16, 1, True, att.SDPA_CUDNN),
     (True, torch.float16, 1, False, att.SDPA_CUDNN),
@@ -60,10 +69,7 @@ def test_the_varlen_route_passes_the_packed_layout_gqa_and_causality(monkeypatch
         """torch's varlen_attn contract on [T, H, D], computed per document with SDPA's math path."""
         calls.append((max_q, window_size, enable_gqa))
         assert q.shape == (111, 4, 16) and k.shape == (111, 2, 16) and enable_gqa and window_size == (-1, 0)
-        outs = [torch.nn.functional.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True, scale=scale,
-            enable_gqa=True).transpose(0, 1) for s, e in zip(cu_q.tolist()[:-1], cu_q.tolist()[1:])]
-        return torch.cat(outs)
+        return _per_document(q, k, v, cu_q, scale)
 
     monkeypatch.setattr(att, "_varlen_attn", fake_varlen)
     monkeypatch.setattr(att, "_VARLEN_PARAMS", {"scale", "window_size", "enable_gqa"})
@@ -73,14 +79,6 @@ def test_the_varlen_route_passes_the_packed_layout_gqa_and_causality(monkeypatch
     out = att._full_attention(q, k, v, 0.25, cu, 70)
     assert calls == [(70, (-1, 0), True)]
     torch.testing.assert_close(out, _reference(q, k, v, cu, 0.25), rtol=1e-4, atol=1e-5)
-
-
-def _per_document(q, k, v, cu, scale):
-    """[T, H, D] (as many KV heads as query heads) -> [T, H, D], causal within each document."""
-    b = cu.tolist()
-    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
-        scale=scale).transpose(0, 1) for s, e in zip(b[:-1], b[1:])])
 
 
 def test_the_cudnn_varlen_route_passes_the_packed_layout_gqa_scale_and_gradients(monkeypatch):

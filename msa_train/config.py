@@ -415,6 +415,8 @@ class RootConfig:
         return self.eval.seq_len or self.train.seq_len
 
     def __post_init__(self):
+        if not self.train.plan:  # a plan reads no data
+            self.data.require_path()
         lengths = {"train.seq_len": self.train.seq_len}  # the packed lengths: training's, and evaluation's if its own
         if self.eval.seq_len:
             lengths["eval.seq_len"] = self.eval.seq_len

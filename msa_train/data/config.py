@@ -121,9 +121,6 @@ class DataConfig:
             if self.path:
                 raise ValueError("data.path must be empty with data.format='generated'; "
                                  f"use format in {list(FORMATS[1:])} to read files")
-        elif not self.path:
-            raise ValueError(f"data.path is required with data.format={self.format!r}: "
-                             "a jsonl / json / parquet / txt file or directory, or a list of them")
         self.eval_path = _normalise_path(self.eval_path, "data.eval_path")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1): the fraction of the "
@@ -155,6 +152,13 @@ class DataConfig:
     def paths(self) -> List[str]:
         """``path`` as a list (empty for the generated corpus)."""
         return list(self.path or [])
+
+    def require_path(self) -> None:
+        """A run that reads files needs them: checked by the whole config (``RootConfig``), since a
+        memory plan (``train.plan=true``) reads no data and plans a recipe without its ``data.path``."""
+        if self.format not in ("generated", "retrieval") and not self.path:
+            raise ValueError(f"data.path is required with data.format={self.format!r}: "
+                             "a jsonl / json / parquet / txt file or directory, or a list of them")
 
     @property
     def has_eval(self) -> bool:

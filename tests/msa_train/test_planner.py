@@ -168,14 +168,19 @@ def test_plan_true_prints_and_writes_plan_json_without_building(tmp_path, capsys
     from msa_train.cli import run
 
     monkeypatch.setattr("msa_train.trainer.Trainer.__init__", lambda *a: pytest.fail("the planner built a Trainer"))
-    cfg = cli_compose(["recipe=qwen3_14b_1m", "data=generated", "train.plan=true", "train.plan_world_size=8",
+    # as a user types it: no data.path (a plan reads none), the recipe's world size (8 GPUs)
+    cfg = cli_compose(["recipe=qwen3_14b_1m", "train.plan=true", "parallel.sp_degree=4",
                        f"train.output_dir={tmp_path}"], typed=False)
     out = run(cfg)
     printed = capsys.readouterr().out
     assert "peak per GPU" in printed and "qwen3_14b_1m" in printed
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert saved["workload"]["world_size"] == 8 and saved["options"]["sp_degree"] == 8
+    assert saved["workload"]["world_size"] == 8 and saved["options"]["sp_degree"] == 4
     assert saved["fits"] == out["fits"] and saved["parts_gb"]["host_optimizer"] > 0
+    big = cli_compose(["recipe=qwen25_32b_128k", "train.plan=true"])
+    assert big.train.plan_world_size == 8 and not big.data.paths
+    with pytest.raises(ValueError, match=r"data.path is required with data.format='pretrain'"):
+        cli_compose(["recipe=qwen25_32b_128k"])  # training reads its files
 
 
 def test_a_run_too_big_for_the_host_stops_before_building_saying_what_it_needs(tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ from msa_train.data import TINY_VOCAB_SIZE, DataConfig, build_tokenizer
 @pytest.mark.parametrize("kwargs, match", [
     pytest.param({"format": "raw"}, r"data.format='raw' is not one of \['generated', 'pretrain', 'sft', 'preference', 'kto', 'prompts', 'retrieval'\]",
                  id="bad-format"),
-    pytest.param({"format": "pretrain"}, "data.path is required", id="pretrain-without-path"),
     pytest.param({"format": "generated", "path": "x.jsonl"}, "data.path must be empty", id="generated-with-path"),
     pytest.param({"format": "pretrain", "path": "x", "file_type": "csv"}, r"data.file_type='csv' is not one of",
                  id="bad-file-type"),
@@ -19,6 +18,13 @@ from msa_train.data import TINY_VOCAB_SIZE, DataConfig, build_tokenizer
 def test_config_errors_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DataConfig(**kwargs)
+
+
+def test_a_file_format_requires_its_path_where_data_is_read():
+    with pytest.raises(ValueError, match=r"data.path is required with data.format='sft'"):
+        DataConfig(format="sft").require_path()
+    DataConfig(format="generated").require_path()
+    DataConfig(format="sft", path="x.jsonl").require_path()
 
 
 def test_config_path_str_or_list():

@@ -509,10 +509,42 @@ def plot(res, path):
 DENSE_ARMS = ("varlen_flash2", "varlen_cudnn", "sdpa_cudnn_per_document")
 
 
+def cudnn_varlen(query, key, value, cu, max_len: int):
+    """cuDNN's fused attention with document offsets, ``aten._cudnn_attention_forward`` / ``_backward``
+    (torch's varlen_attn keeps this path switched off): [1, HQ, T, D] x [1, HK, T, D] -> [1, T, HQ, D],
+    causal within each document, KV heads repeated. Kept here, not in the trainer: on torch 2.11 with
+    cuDNN 9.19 its forward and dv are right and its dq and dk are not (off by 4x to 1e26 relative RMS,
+    varying from call to call; cuDNN without offsets, one document, is right), so --packed-dense
+    checks it again on each torch."""
+    import torch
+
+    class CudnnVarlen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, scale):
+            r = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True,
+                                                        False, scale=scale)
+            ctx.save_for_backward(q, k, v, r[0], r[1], r[6], r[7])
+            ctx.scale = scale
+            return r[0]
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, out, lse, seed, offset = ctx.saved_tensors
+            grads = torch.ops.aten._cudnn_attention_backward(grad_out.contiguous(), q, k, v, out, lse, seed, offset,
+                                                              None, cu, cu, max_len, max_len, 0.0, True,
+                                                              scale=ctx.scale)
+            return (*grads, None)
+
+    group = query.shape[1] // key.shape[1]
+    q, k, v = (x[0].transpose(0, 1).repeat_interleave(g, dim=1).contiguous()
+               for x, g in ((query, 1), (key, group), (value, group)))  # [T, H, D]
+    return CudnnVarlen.apply(q, k, v, query.shape[-1] ** -0.5).unsqueeze(0)
+
+
 def packed_dense(args):
     """--packed-dense: the dense kernels ``attention=full`` could run on a packed row (several documents
     in one sequence, causal within each), Llama3-8B's heads: torch's varlen_attn (FlashAttention-2),
-    cuDNN's fused attention with document offsets (models/attention.py ``_varlen_cudnn``), and one
+    cuDNN's fused attention with document offsets (:func:`cudnn_varlen`), and one
     cuDNN SDPA per document (host offsets: the bound a per-document loop reaches). Each arm is checked
     first (bf16, o and every gradient against fp32 SDPA per document, at 8K in four documents), then
     forward and forward + backward timed (do_bench median) per T and document split. Writes
@@ -537,7 +569,7 @@ def packed_dense(args):
         return torch.cat(outs, 2).transpose(1, 2)
 
     arms = {"varlen_flash2": lambda q, k, v, cu, mx, b: A._varlen_flash(q, k, v, None, cu, mx),
-            "varlen_cudnn": lambda q, k, v, cu, mx, b: A._varlen_cudnn(q, k, v, None, cu, mx),
+            "varlen_cudnn": lambda q, k, v, cu, mx, b: cudnn_varlen(q, k, v, cu, mx),
             "sdpa_cudnn_per_document": lambda q, k, v, cu, mx, b: per_document(q, k, v, b)}
 
     def inputs(lengths, seed):

@@ -236,41 +236,6 @@ def _varlen_flash(query, key, value, scaling, cu_seq_lens_q, max_length_q) -> to
     return o.unsqueeze(0)
 
 
-class _CudnnVarlenAttention(torch.autograd.Function):
-    """Causal attention within each packed document through cuDNN's fused kernel
-    (``aten._cudnn_attention_forward`` / ``_backward`` with cumulative document offsets; torch's
-    ``varlen_attn`` keeps its cuDNN path switched off). q, k, v: [T, H, D], as many KV heads as query
-    heads; ``cu`` int32 [N+1] on the device; ``max_len`` the longest document (a host int)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len: int, scale: float):
-        r = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False,
-                                                    scale=scale)
-        out, lse, seed, offset = r[0], r[1], r[6], r[7]
-        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
-        ctx.max_len, ctx.scale = max_len, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, seed, offset, None, cu, cu, ctx.max_len, ctx.max_len, 0.0, True,
-            scale=ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
-def _varlen_cudnn(query, key, value, scaling, cu_seq_lens_q, max_length_q) -> torch.Tensor:
-    """cuDNN over the packed row: [1, HQ, T, D] x [1, HK, T, D] -> [1, T, HQ, D] (KV heads repeated)."""
-    HQ, T, D = query.shape[1:]
-    group = HQ // key.shape[1]
-    q = query[0].transpose(0, 1).contiguous()  # [T, HQ, D]
-    k, v = (_repeat_kv(x[0].transpose(0, 1), group, 1).contiguous() for x in (key, value))
-    max_len = int(max_length_q) if max_length_q is not None else T
-    scale = D ** -0.5 if scaling is None else float(scaling)
-    return _CudnnVarlenAttention.apply(q, k, v, cu_seq_lens_q, max_len, scale).unsqueeze(0)
-
-
 def nsa_attention_forward(module, query, key, value, attention_mask=None, scaling: Optional[float] = None,
                           dropout: float = 0.0, cu_seq_lens_q: Optional[torch.Tensor] = None, **kwargs):
     """Native Sparse Attention through the module's ``.nsa`` (flash_msa.NativeSparseAttention).

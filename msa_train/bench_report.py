@@ -67,7 +67,8 @@ def _plan(overrides: Sequence[str], recipe: str = "llama3_8b_64k", host_limit_gb
     from msa_train.cli import compose
     from msa_train.parallel.planner import plan_of_config
 
-    return plan_of_config(compose([f"recipe={recipe}", "data=generated", *overrides]), host_limit_gb=host_limit_gb)
+    return plan_of_config(compose([f"recipe={recipe}", "data=generated", *overrides]), world_size=1,
+                          host_limit_gb=host_limit_gb)  # one process, as every point here runs
 
 
 def _arm_rank(attention: str) -> int:
@@ -628,7 +629,7 @@ def longest_cmd(argv: Sequence[str]) -> Dict:
 
         def plan_at(T):
             return plan_of_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=T)),
-                                  host_limit_gb=host)
+                                  world_size=1, host_limit_gb=host)  # one process, as run_point starts
 
         shortest = plan_at(multiple)
         if shortest.host_need_gb > host:  # no length fits: the model state alone is too big for the host

@@ -262,6 +262,11 @@ def error_message(e: BaseException) -> str:
     return text
 
 
+# exit status of `train.plan=true` when the plan does not fit (2 is a user error, 1 a failed run), so a
+# script can plan before it launches: `msa-train ... train.plan=true && torchrun ...`
+PLAN_DOES_NOT_FIT = 3
+
+
 def main() -> None:
     import hydra
 
@@ -286,10 +291,13 @@ def main() -> None:
     def _app(cfg) -> None:
         nonlocal ended_distributed
         try:
-            run(cfg)
+            summary = run(cfg)
             ended_distributed = own_groups and _shutdown_distributed()
         except Exception as e:  # here, before Hydra adds its "Error executing job" line
             _report(e, full_error, own_groups)
+        else:
+            if cfg.train.plan and not summary["fits"]:
+                raise SystemExit(PLAN_DOES_NOT_FIT)
 
     # Hydra hands a failed composition to its caller only under HYDRA_FULL_ERROR=1; otherwise it prints
     # it and exits 1 itself, and user errors could not be told from bugs. So it is set for the call, and

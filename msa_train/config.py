@@ -289,6 +289,7 @@ class TrainConfig:
     plan: bool = False
     plan_world_size: int = 0             # GPUs the plan is for; 0 = parallel.sp_degree
     plan_gpu_gb: Optional[float] = None  # GiB per GPU; None = the visible GPU's, else an H200's (139)
+    plan_host_gb: Optional[float] = None  # host memory of the node the plan is for, GiB; None = not checked
     plan_check: bool = True              # refuse, before building, a run the planner says cannot fit
 
     def __post_init__(self):
@@ -324,8 +325,9 @@ class TrainConfig:
             raise ValueError(f"train.grpo_temperature={self.grpo_temperature!r} is not allowed; expected a positive float")
         _choice("train.loss_impl", self.loss_impl, LOSS_IMPLS)
         _choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
-        if self.plan_gpu_gb is not None and not self.plan_gpu_gb > 0:
-            raise ValueError(f"train.plan_gpu_gb={self.plan_gpu_gb!r} is not allowed; expected a positive number of GiB")
+        for key in ("plan_gpu_gb", "plan_host_gb"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ValueError(f"train.{key}={getattr(self, key)!r} is not allowed; expected a positive number of GiB")
         for key in (k for k in PREFERENCE_SETTINGS if k != "simpo_gamma"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"train.{key}={getattr(self, key)!r} is not allowed; expected a positive float")

@@ -52,6 +52,7 @@ from msa_train.parallel.deepspeed_config import PARTIAL_OFFLOAD_SUB_GROUP
 
 GiB = 2 ** 30
 H200_GB = 139.0  # usable device memory of one H200 (torch.cuda.mem_get_info on an idle one), GiB
+NODE_GPUS = 8    # the planner plans single-node runs: the most GPUs it suggests
 OVERHEAD_GB = 2.5  # CUDA context, cuBLAS/cuDNN handles and allocator fragmentation, GiB
 # check_fit refuses a run only when its predicted need exceeds the memory by this factor: the
 # prediction is a model (until plan-check has validated it, a run it overestimates must still start),
@@ -177,6 +178,7 @@ class Plan:
     workload: Workload
     notes: List[str] = field(default_factory=list)
     fix: Optional[List[str]] = None  # overrides that make it fit (the ladder), when it does not
+    fit_world: Optional[int] = None  # when it does not: the fewest GPUs of one node (up to 8) it fits as it is
 
     @property
     def allocated_gb(self) -> float:
@@ -203,7 +205,7 @@ class Plan:
                 "host_gb_per_rank": round(self.host_gb, 2), "host_gb_all_ranks": round(self.host_gb * self.ranks_per_host, 2),
                 "host_need_gb": round(self.host_need_gb, 2), "host_limit_gb": self.host_limit_gb, "parts_gb": {k: round(v, 3) for k, v in self.parts.items()},
                 "options": dataclasses.asdict(self.options), "workload": dataclasses.asdict(self.workload),
-                "fix": self.fix, "notes": self.notes}
+                "fix": self.fix, "fit_world": self.fit_world, "notes": self.notes}
 
 
 def rank_heads(heads: int, kv_heads: int, sp_degree: int) -> Tuple[int, int]:
@@ -467,6 +469,11 @@ def plan(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H200_G
             if predict(shape, candidate, work, gpu_gb, host_limit_gb).fits:
                 result.fix = candidate.overrides(opt)
                 break
+        world = work.world_size * 2  # the same options on more GPUs of the node: ZeRO shards the model state
+        while world <= NODE_GPUS and result.fit_world is None:
+            if predict(shape, opt, dataclasses.replace(work, world_size=world), gpu_gb, host_limit_gb).fits:
+                result.fit_world = world
+            world *= 2
     return result
 
 
@@ -529,7 +536,7 @@ def visible_gpu_gb() -> float:
 def print_plan(cfg) -> Plan:
     """``train.plan=true``: print the plan of the config and write ``<train.output_dir>/plan.json``."""
     # a plan is for GPUs (bf16 and the fused kernels by default), wherever it is made
-    result = plan_of_config(cfg, on_cuda=cfg.train.precision != "fp32")
+    result = plan_of_config(cfg, host_limit_gb=cfg.train.plan_host_gb, on_cuda=cfg.train.precision != "fp32")
     print(render(result, f"memory plan of recipe {cfg.recipe_name}"))
     path = write_plan(result, Path(cfg.train.output_dir))
     print(f"written: {path}")
@@ -565,6 +572,9 @@ def render(result: Plan, title: str) -> str:
         verdict += "\nwould fit with: " + " ".join(result.fix)
     elif result.fix == []:
         verdict += "\nno option of the ladder makes it fit: more GPUs (train.plan_world_size) or a shorter train.seq_len"
+    if result.fit_world:
+        verdict += (f"\n{'or, ' if result.fix else ''}as it is, on {result.fit_world} GPUs of one node "
+                    f"(train.plan_world_size={result.fit_world})")
     try:
         import io
 
@@ -612,8 +622,10 @@ def check_fit(cfg, world_size: int, device) -> Optional[str]:
         if total_gb * world_size <= REFUSE_FACTOR * host:
             return None
         need = f"{total_gb * world_size:,.1f} GiB of host memory for {world_size} rank(s) (this host has {host:,.1f})"
-        result.fix = None
+        result.fix = result.fit_world = None
     fix = f"; would fit with: {' '.join(result.fix)}" if result.fix else ""
+    if result.fit_world:
+        fix += f"{'; or' if fix else ';'} as it is on {result.fit_world} GPUs"
     return (f"the planner predicts this run needs {need} at train.seq_len={cfg.train.seq_len}, "
             f"attention={cfg.attention.name}{fix}. `msa-train ... train.plan=true` prints the breakdown "
             "(docs/trainer.md, 'Memory planner').")

@@ -51,6 +51,16 @@ def test_a_process_group_of_the_caller_stays_up_and_errors_exit_normally(monkeyp
             torch.distributed.destroy_process_group()
 
 
+def test_a_plan_that_does_not_fit_exits_3_and_names_the_gpus_it_would_fit(monkeypatch, capsys, tmp_path):
+    """`train.plan=true` as a script's check before it launches: exit 0 when the plan fits, 3 when not."""
+    plan = ["recipe=llama3_8b_64k", "train.plan=true", "train.plan_gpu_gb=139", f"train.output_dir={tmp_path}"]
+    code, _ = _main(monkeypatch, capsys, *plan, "train.plan_world_size=1")
+    assert code == cli.PLAN_DOES_NOT_FIT == 3
+    monkeypatch.setattr(sys, "argv", ["msa-train", *plan])  # the recipe's own world size: two GPUs
+    cli.main()
+    assert "(train.plan_world_size=2)" not in capsys.readouterr().out
+
+
 def test_full_error_keeps_the_traceback_and_bugs_keep_theirs(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["msa-train", "train.lr=inf"])
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")

@@ -160,7 +160,7 @@ def test_lora_target_modules_that_match_nothing_are_refused(tmp_path):
 def test_the_planner_counts_optimizer_state_for_the_trainable_parameters_only(tmp_path):
     from msa_train.parallel.planner import plan_of_config
 
-    base = ["recipe=llama3_8b_64k", "attention=fmsa", f"data.path={tmp_path}/x.jsonl"]
+    base = ["recipe=llama3_8b_64k", "attention=fmsa", f"data.path={tmp_path}/x.jsonl", "train.plan_world_size=1"]
     full = plan_of_config(compose(base))
     lora = plan_of_config(compose([*base, "model.lora.r=16"]))
     p = lambda plan, part: plan.parts[part]  # noqa: E731

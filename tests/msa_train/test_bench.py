@@ -142,13 +142,13 @@ def test_profile_summary_sorts_device_time_by_kind():
 def test_plan_check_repredicts_measured_peaks_and_reads_bench_files(tmp_path):
     """plan-check without a GPU: the measured peaks stay, the current planner predicts them again,
     and a bench result file's points join the table; a point that did not run shows its error."""
-    from msa_train.bench_report import _predicted_gb, plan_check
     from msa_train.bench_points import _killed
+    from msa_train.bench_report import _predicted_gb, _short_override, plan_check
 
     lora = ["model.lora.r=16", "model.lora.alpha=32"]
     pred = _predicted_gb([*lora, "train.seq_len=65536", "attention=full"])["predicted_gb"]
     (tmp_path / "bench.json").write_text(json.dumps({
-        "recipe": "llama3_8b_64k", "device": "gpu", "extra_overrides": lora,
+        "recipe": "llama3_8b_64k", "device": "gpu", "extra_overrides": [*lora, "train.phase_times=true"],
         "points": [{"attention": "full", "seq_len": 65536, "peak_memory_gb": pred * 1.25, "ok": True},
                    {"attention": "fmsa", "seq_len": 65536, "ok": False, "error": "OOM"}]}))
     row = {"key": "4 layers 64K full", "overrides": ["model.hf_config.num_hidden_layers=4", "train.seq_len=65536",
@@ -165,3 +165,4 @@ def test_plan_check_repredicts_measured_peaks_and_reads_bench_files(tmp_path):
     md = (tmp_path / "latest.md").read_text()
     assert "killed by SIGKILL" in md and "1 of 2 measured configurations within 10%" in md
     assert _killed(0) is None
+    assert _short_override("parallel.offload_ratio=0.8") == "offload_ratio=0.8"  # the value's dot stays

@@ -460,8 +460,32 @@ class RecordReport:
         return "\n".join(lines)
 
 
-def check_report(report: RecordReport, max_bad_fraction: float, files: Optional[list] = None) -> None:
-    """Fail above the threshold, warn below it.
+# The data group whose records have these fields (their default names), for the error of a file whose
+# every record is malformed: the usual cause is the wrong group (SFT records under data=preference)
+FIELDS_OF_GROUP = (({"prompt", "chosen", "rejected"}, "preference", "preference"),
+                   ({"prompt", "completion", "label"}, "kto", "kto"),
+                   ({"prompt", "response"}, "sft", "sft"), ({"messages"}, "sft", "sft"),
+                   ({"prompt", "answer"}, "prompts", "prompts"), ({"text"}, "jsonl", "pretrain"),
+                   ({"segments"}, "jsonl", "pretrain"))
+
+
+def group_hint(files: list, cfg: DataConfig) -> str:
+    """`` The records' fields (...) are those of data=GROUP.`` when the first record of ``files`` has
+    the fields of another format's group than ``cfg.format``, else ``""``."""
+    for path, ftype, *_ in files[:1]:
+        for _, rec, error in _raw_records(path, ftype, cfg):
+            if error is not None or not isinstance(rec, dict):
+                return ""
+            for fields, group, fmt in FIELDS_OF_GROUP:
+                if fields <= rec.keys():
+                    return (f" The records' fields ({', '.join(sorted(rec))}) are those of data={group}."
+                            if fmt != cfg.format else "")
+            return ""
+    return ""
+
+
+def check_report(report: RecordReport, max_bad_fraction: float, files: Optional[list] = None, hint: str = "") -> None:
+    """Fail above the threshold, warn below it (``hint``: :func:`group_hint`, added when every record is bad).
 
     Raises:
         DataValidationError: no valid record, or a bad fraction above ``max_bad_fraction``.
@@ -472,7 +496,10 @@ def check_report(report: RecordReport, max_bad_fraction: float, files: Optional[
                  f"the {len(names)} files ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) hold") \
             if names else "the files hold"
         raise DataValidationError(f"data: {where} no records (empty, or only blank lines); check data.path")
-    if report.num_bad == report.total or report.bad_fraction > max_bad_fraction:
+    if report.num_bad == report.total:
+        raise DataValidationError(f"data: {report.summary()}\nNo record is valid.{hint} "
+                                  "Choose the data group of the records (docs/data.md), or fix them.")
+    if report.bad_fraction > max_bad_fraction:
         raise DataValidationError(
             f"data: {report.summary()}\nwhich is above data.max_bad_fraction={max_bad_fraction}. "
             "Fix the records, or raise data.max_bad_fraction to skip them.")
@@ -505,7 +532,7 @@ def load_records(cfg: DataConfig) -> tuple[datasets.Dataset, RecordReport]:
     if bad:
         sources = column(ds.select(bad[:RecordReport.MAX_EXAMPLES]), SOURCE_COL)
         report.examples = [f"{s}: {errors[i]}" for s, i in zip(sources, bad)]
-    check_report(report, cfg.max_bad_fraction, files)
+    check_report(report, cfg.max_bad_fraction, files, group_hint(files, cfg) if len(bad) == len(ds) else "")
     if bad:
         bad_set = set(bad)
         ds = ds.select([i for i in range(len(ds)) if i not in bad_set])

@@ -103,6 +103,21 @@ def test_malformed_records_fail_above_threshold_with_file_and_line(tok, write_js
         assert f"{path}{reason}" in msg, (reason, msg)
 
 
+@pytest.mark.parametrize("rows, fmt, group", [
+    ([{"prompt": "Q", "response": "A"}] * 3, "preference", "data=sft"),
+    ([{"prompt": "Q", "chosen": "A", "rejected": "B"}] * 3, "sft", "data=preference"),
+    ([{"text": "a document"}] * 3, "sft", "data=jsonl"),
+    ([{"txt": "a document"}] * 3, "pretrain", None)], ids=["sft-as-pairs", "pairs-as-sft", "text-as-sft", "unknown"])
+def test_a_file_of_only_malformed_records_names_the_data_group_its_fields_belong_to(tok, write_jsonl, rows, fmt,
+                                                                                     group):
+    path = write_jsonl("all_bad.jsonl", rows)
+    with pytest.raises(DataValidationError) as e:
+        build_packed_dataset(DataConfig(format=fmt, path=path, max_bad_fraction=1.0), tok, 64)
+    msg = str(e.value)
+    assert "3 of 3 records (100.00%) are malformed" in msg and "No record is valid." in msg
+    assert (f"are those of {group}." in msg) if group else ("are those of" not in msg), msg
+
+
 def test_malformed_records_below_threshold_are_reported_and_skipped(tok, write_jsonl, caplog):
     path = write_jsonl("bad.jsonl", BAD_ROWS)
     with caplog.at_level(logging.WARNING, logger="msa_train.data"):

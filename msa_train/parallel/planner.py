@@ -461,7 +461,8 @@ def ladder(opt: Options, work: Workload) -> List[Options]:
 def plan(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H200_GB,
          host_limit_gb: Optional[float] = None) -> Plan:
     """:func:`predict`, and when it does not fit, the first step of :func:`ladder` that does
-    (``Plan.fix``: the overrides; ``[]`` when none does)."""
+    (``Plan.fix``: the overrides; ``[]`` when none does) and the fewest GPUs of one node on which
+    the same options fit (``Plan.fit_world``: a power of two times the world size, up to NODE_GPUS)."""
     result = predict(shape, opt, work, gpu_gb, host_limit_gb)
     if not result.fits:
         result.fix = []

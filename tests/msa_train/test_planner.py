@@ -130,8 +130,17 @@ def test_checkpointing_keeps_one_input_per_layer_and_offload_moves_them_to_the_h
     work = Workload(seq_len=T)
     ckpt = planner.activation_bytes(LLAMA3_8B, Options(activation_checkpointing=True), work)
     assert ckpt["activations_kept"] == 32 * T * 4096 * 2  # 16 GiB: 32 bf16 layer inputs
-    off = planner.activation_bytes(LLAMA3_8B, Options(activation_checkpointing=True, offload_activations=True), work)
-    assert off["host_activations"] == ckpt["activations_kept"] and off["activations_kept"] == 2 * T * 4096 * 2
+    # offloaded: on the device only the input of the layer being recomputed. HF's norm saves an fp32
+    # copy, not that tensor, so it counts once more; a fused or tiled norm saves it, and the layer's
+    # working set has it already (counted twice, the planner was 14.5% over the 1M run's measured peak)
+    off = planner.activation_bytes(LLAMA3_8B, Options(activation_checkpointing=True, offload_activations=True,
+                                                      fused_ops=False), work)
+    assert off["host_activations"] == ckpt["activations_kept"] and off["activations_kept"] == T * 4096 * 2
+    for slim in (Options(activation_checkpointing=True, offload_activations=True),  # fused_ops: the default
+                 Options(activation_checkpointing=True, offload_activations=True, fused_ops=False, tile_tokens=32768)):
+        with_slim_norms = planner.activation_bytes(LLAMA3_8B, slim, work)
+        assert with_slim_norms["host_activations"] == ckpt["activations_kept"]
+        assert with_slim_norms["activations_kept"] == 0
     plain = planner.activation_bytes(LLAMA3_8B, Options(), work)
     assert plain["activations_kept"] > 10 * ckpt["activations_kept"]
 

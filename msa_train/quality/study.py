@@ -188,12 +188,14 @@ def _jobs_b(plan: Plan, work: Path) -> Dict[str, List[str]]:
 
 
 def _jobs_c(plan: Plan, work: Path) -> Dict[str, List[str]]:
-    """Study C: each of study A's two models trained on the retrieval-phase documents alone."""
+    """Study C: each of study A's two models trained on the retrieval-phase documents alone, NSA's
+    first: it is the open question (the ninth run's dense arm began to copy, its NSA arm was stopped
+    by the budget) and the slower arm, so a budget that ends early cuts the dense one."""
     if not plan.retrieval_phase_steps:
         return {}
     a = _jobs_a(plan, work)
     out = {}
-    for arm in ("full", "fmsa"):
+    for arm in ("fmsa", "full"):
         keep = [x for x in a[f"a_{arm}"] if not x.startswith(("data.path=", "train.seed=", "train.seq_len="))]
         out[f"c_{arm}"] = [*keep, f"train.seq_len={plan.retrieval_phase_seq_len}",
                            f"data.path={work / 'data' / 'retrieval_phase.jsonl'}",

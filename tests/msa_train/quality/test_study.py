@@ -47,7 +47,7 @@ def test_all_runs_study_a_first_then_the_retrieval_phase_then_b_and_the_seed(tmp
         ["a_full", "a_fmsa"], ["b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1"]]  # no phase unless asked
     plan = dataclasses.replace(plan, retrieval_phase_steps=300, mean_phi_arm=True)
     first, second = _jobs_all(plan, tmp_path)
-    assert list(second) == ["c_full", "c_fmsa", "b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1", "a_fmsa_mean_phi"]
+    assert list(second) == ["c_fmsa", "c_full", "b_dense", "b_nsa", "b_nsa_distill", "a_full_seed1", "a_fmsa_mean_phi"]
     for arm in ("full", "fmsa"):
         job = second[f"c_{arm}"]
         assert f"model.path={tmp_path / 'runs' / f'a_{arm}' / 'hf'}" in job and f"attention={arm}" in job
@@ -176,7 +176,7 @@ def test_tiny_pipeline_end_to_end(tiny_corpus, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--retrieval-phase 0"):
         main(["study-c", "--work", str(work), "--tiny", "--retrieval-phase", "0"])
     assert main(["study-c", "--work", str(work), "--out", str(out), "--tiny", "--retrieval-phase", "2"]) == 0
-    assert list(json.loads((work / "state.json").read_text()))[-2:] == ["c_full", "c_fmsa"]
+    assert list(json.loads((work / "state.json").read_text()))[-2:] == ["c_fmsa", "c_full"]
     data = json.loads((work / "data" / "retrieval_phase.json").read_text())
     records = [json.loads(line) for line in (work / "data" / "retrieval_phase.jsonl").read_text().splitlines()]
     # two 256-token sequences: one retrieval document (one question) and one copy document

@@ -2,7 +2,7 @@
 # One device call that checks and measures everything that needs the H200, stage by stage,
 # each bounded in time, results under $OUT. Run from the repo root on the GPU machine with the
 # wheels of scripts/gpu_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e report plancheck lora grpo longest finder phases fusedops nsa selected variants ncu quality
+#   bash scripts/gpu_session.sh [stages...]     stages: tests tune tiny e2e report plancheck lora grpo longest finder phases fusedops nsa selected variants ncu probe quality
 # The maintainers copy a stage's files to benchmarks/results/<benchmark>/latest.* (docs/performance.md
 # lists which stage writes which benchmark). (e2e reads E2E_LENS, E2E_ATTN and E2E_TIMEOUT to run a subset; tests reads TESTS and TESTS_TIMEOUT;
 # longest reads LONG_LENS, LONG_ATTN, LONG_OPTS, LONG_TAG, LONG_NPROC, LONG_TIMEOUT and LONG_POINT_TIMEOUT;
@@ -120,6 +120,26 @@ for stage in $stages; do
       mkdir -p "$OUT/sel1m"
       timeout 120 python3 scripts/bench_selected.py --out "$OUT/sel1m" --Ts 1048576 --Gs 4 --check-T 2048 \
         --skip-bwd-over 524288 --no-fla --warmup 2 --rep 10 2>&1 | tail -8 | tee -a "$OUT/selected.log" ;;
+    probe)  # the retrieval probe (msa_train/quality/probe.py) on the GPU, dense and NSA side by side, each arm
+            # its own process: does NSA learn to copy and retrieve as dense does where a needle lies beyond its
+            # window and local blocks? PROBE_ARMS: "attention:seed[:nsa-sizes]" ...; PROBE_ARGS: the probe's
+            # other arguments; PROBE_TIMEOUT. Every arm's JSON lines and stderr go into $OUT/probe.tgz
+      P=/tmp/probe; mkdir -p "$P/out"; start=$SECONDS
+      [ -f "$P/corpus/manifest.json" ] || python3 -m msa_train.quality corpus --out "$P/corpus" --max-tokens 3000000 \
+        --vocab 2048 > "$P/out/corpus.log" 2>&1
+      left=$(( ${PROBE_TIMEOUT:-560} - (SECONDS - start) ))
+      for arm in ${PROBE_ARMS:-full:0 full:1 full:2 fmsa:0 fmsa:1 fmsa:2}; do
+        IFS=: read -r att seed sizes <<< "$arm"
+        name=${att}_s${seed}${sizes:+_${sizes//,/-}}
+        timeout "$left" python3 -m msa_train.quality probe --corpus "$P/corpus" --device cuda --threads 2 \
+          --attention "$att" --seed "$seed" ${sizes:+--nsa-sizes $sizes} \
+          ${PROBE_ARGS:---copy-fraction 0.5 --lengths 256,512 --eval-lengths 256,512 --steps 3000 --eval-every 250} \
+          > "$P/out/$name.jsonl" 2> "$P/out/$name.err" < /dev/null &
+      done
+      wait
+      for f in "$P"/out/*.jsonl; do echo "$(basename "$f"): $(tail -1 "$f")"; done | tee "$OUT/probe.log"
+      tail -3 "$P"/out/*.err | grep -v "^$" | tail -20
+      (cd "$P/out" && tar czf "$OUT/probe.tgz" ./*) ;;
     quality)  # the quality study (docs/quality.md) as a background job that outlives this call (the machine
               # keeps its disk while warm): the first call builds the corpus and starts `python -m
               # msa_train.quality all` (QUALITY_BUDGET s, QUALITY_STEPS steps, QUALITY_MIX, QUALITY_ARGS: its

@@ -13,6 +13,11 @@ This is a plain PyTorch loop, not the trainer: thousands of steps of a model thi
 in minutes only without the trainer's per-step machinery (packing, DeepSpeed, checkpoints), which
 a probe of learnability does not need. Each evaluation prints one JSON line.
 
+``--attention fmsa`` patches the same model with NSA (``--nsa-sizes``, by default a window and
+local blocks shorter than the document), so that the probe asks whether sparse attention learns
+to copy and retrieve as dense does, where a needle is reachable only through compression and
+block selection (``scripts/gpu_session.sh probe`` runs dense and NSA side by side on a GPU).
+
     python -m msa_train.quality corpus --out /tmp/qc --max-tokens 3000000 --vocab 2048
     python -m msa_train.quality probe --corpus /tmp/qc --copy-fraction 0.5 --lengths 256,512 --eval-lengths 256,512,1024
 """
@@ -71,6 +76,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base (the quality study's model: 500000)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--attention", choices=("full", "fmsa", "nsa"), default="full",
+                   help="full: HF's SDPA attention (the probe as it was); fmsa / nsa: the model patched with NSA "
+                        "(msa_train.models.patch_model) at --nsa-sizes")
+    p.add_argument("--nsa-sizes", default="16,8,16,5,32",
+                   help="NSA's l,d,l',n,w (compression block and stride, selection block, selected blocks with the "
+                        "initial and two local ones, window) for --attention fmsa|nsa; the default leaves the "
+                        "window and the local blocks short of a 256-token document, so a needle is reached "
+                        "only through the compressed and the selected branches")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the NSA kernels need it: on a CPU NSA runs its "
+                                                   "PyTorch reference, about 25x slower than the dense probe)")
     p.add_argument("--stop-at", type=float, default=2.0,
                    help="stop once the first eval length's exact match is >= this at two evaluations in a row "
                         "(default: never)")
@@ -119,6 +134,20 @@ class _Probe:
         cfg._attn_implementation = "sdpa"
         torch.manual_seed(args.seed)
         self.model = LlamaForCausalLM(cfg)
+        if args.attention != "full":
+            from msa_train.config import AttentionConfig
+            from msa_train.models import patch_model
+
+            try:
+                l, d, l_slc, n, w = (int(x) for x in args.nsa_sizes.split(","))
+                attention = AttentionConfig(name=args.attention, cmp_block=l, cmp_stride=d, slc_block=l_slc,
+                                            slc_topk=n, window=w)
+            except ValueError as e:
+                raise SystemExit(f"--nsa-sizes {args.nsa_sizes}: expected l,d,l',n,w that NSA accepts ({e})") from None
+            torch.manual_seed(args.seed + 1)  # NSA's own parameters, the dense ones as in the dense probe
+            patch_model(self.model, attention)
+        self.device = torch.device(args.device)
+        self.model.to(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
         total, warm = args.pretrain_steps + args.steps, args.warmup
 
@@ -167,13 +196,13 @@ class _Probe:
         return torch.stack(xs), torch.stack(ys)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = self.model(input_ids=x, labels=y).loss
+        loss = self.model(input_ids=x.to(self.device), labels=y.to(self.device)).loss
         self.opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.sched.step()
-        return loss.item()
+        return loss.detach()  # read at the evaluations only: no host sync a step on a GPU
 
     @torch.no_grad()
     def score(self, n: int) -> Tuple[float, float]:
@@ -182,8 +211,8 @@ class _Probe:
         probes, chunk = self.probes[n], max(1, 4096 // n)  # long probes a few at a time, to bound memory
         exact = right = total = 0
         for i in range(0, len(probes), chunk):
-            x = torch.stack([q["input_ids"] for q in probes[i:i + chunk]])
-            y = torch.stack([q["labels"] for q in probes[i:i + chunk]])[:, 1:]
+            x = torch.stack([q["input_ids"] for q in probes[i:i + chunk]]).to(self.device)
+            y = torch.stack([q["labels"] for q in probes[i:i + chunk]])[:, 1:].to(self.device)
             pred, mask = self.model(input_ids=x).logits[:, :-1].argmax(-1), y != -100
             exact += ((pred == y) | ~mask).all(1).sum().item()
             right += ((pred == y) & mask).sum().item()
@@ -198,7 +227,8 @@ def run(args: argparse.Namespace, emit=print) -> List[Dict]:
     torch.set_num_threads(args.threads)
     probe = _Probe(args)
     start, lines, hits = time.time(), [], 0
-    common = {"seed": args.seed, "lengths": probe.train_lengths, "spread": args.spread,
+    common = {"seed": args.seed, "attention": args.attention,
+              **({"nsa_sizes": args.nsa_sizes} if args.attention != "full" else {}), "lengths": probe.train_lengths, "spread": args.spread,
               "copy_fraction": args.copy_fraction, "copy_kind": args.copy_kind, "loss_targets": args.loss,
               "batch": args.batch, "lr": args.lr, "schedule": args.schedule, "rope_theta": args.rope_theta,
               "pretrain_steps": args.pretrain_steps}
@@ -209,12 +239,12 @@ def run(args: argparse.Namespace, emit=print) -> List[Dict]:
         loss = probe.step(x, x)
         if pstep == args.pretrain_steps:
             emit(json.dumps({"phase": "pretrain", "pretrain_step": pstep, "pretrain_length": args.pretrain_length,
-                             "train_loss": round(loss, 3), "s": round(time.time() - start)}))
+                             "train_loss": round(float(loss), 3), "s": round(time.time() - start)}))
     for step in range(1, args.steps + 1):
         loss = probe.step(*probe.batch())
         if step % args.eval_every and step != args.steps:
             continue
-        line = {**common, "step": step, "train_loss": round(loss, 3)}
+        line = {**common, "step": step, "train_loss": round(float(loss), 3)}
         for n in probe.eval_lengths:
             exact, tokens = probe.score(n)
             line[f"exact_{n}"], line[f"tokens_{n}"] = exact, round(tokens, 3)

@@ -4,6 +4,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from msa_train.quality import probe
 
@@ -92,3 +93,29 @@ def test_schedules(tiny_corpus):
     assert [f_const(s) for s in (0, 9, 50, 99)] == pytest.approx([0.1, 1.0, 1.0, 1.0])
     assert [f_cos(s) for s in (0, 9, 10, 55, 100)] == pytest.approx([0.1, 1.0, 1.0, 0.55, 0.1])
     assert cos.model.config.rope_parameters["rope_theta"] == 500000.0
+
+
+def test_the_nsa_probe_patches_the_same_model_and_trains(tiny_corpus):
+    """--attention fmsa: the dense probe's model and initial weights, plus NSA's parameters at the
+    given sizes; it trains and scores like the dense one (here on the CPU's PyTorch reference)."""
+    _, corpus, _ = tiny_corpus
+    dense = probe._Probe(_args(corpus, "--lengths", "256"))
+    nsa = probe._Probe(_args(corpus, "--lengths", "256", "--attention", "fmsa", "--nsa-sizes", "16,8,16,4,32"))
+    attn = nsa.model.model.layers[0].self_attn
+    assert attn.nsa.sizes == dict(cmp_block=16, cmp_stride=8, slc_block=16, slc_topk=4, window=32)
+    weights = dict(nsa.model.named_parameters())
+    for name, w in dense.model.named_parameters():
+        assert torch.equal(weights[name], w), name  # the same dense weights: NSA only adds its own
+    assert any(".nsa." in name for name in weights)
+    args = _args(corpus, "--steps", "2", "--eval-every", "2", "--lengths", "256", "--batch", "2",
+                 "--attention", "fmsa", "--nsa-sizes", "16,8,16,4,32")
+    (line,) = probe.run(args, emit=lambda _: None)
+    assert line["attention"] == "fmsa" and line["nsa_sizes"] == "16,8,16,4,32" and line["train_loss"] > 0
+    assert 0.0 <= line["exact_256"] <= 1.0
+
+
+def test_bad_nsa_sizes_name_themselves(tiny_corpus):
+    _, corpus, _ = tiny_corpus
+    for sizes in ("16,8,16", "16,7,16,4,32"):
+        with pytest.raises(SystemExit, match=f"--nsa-sizes {sizes}: expected"):
+            probe._Probe(_args(corpus, "--attention", "fmsa", "--nsa-sizes", sizes))

@@ -122,24 +122,25 @@ for stage in $stages; do
         --skip-bwd-over 524288 --no-fla --warmup 2 --rep 10 2>&1 | tail -8 | tee -a "$OUT/selected.log" ;;
     probe)  # the retrieval probe (msa_train/quality/probe.py) on the GPU, dense and NSA side by side, each arm
             # its own process: does NSA learn to copy and retrieve as dense does where a needle lies beyond its
-            # window and local blocks? PROBE_ARMS: "attention:seed[:nsa-sizes]" ...; PROBE_ARGS: the probe's
-            # other arguments; PROBE_TIMEOUT. Every arm's JSON lines and stderr go into $OUT/probe.tgz
-      P=/tmp/probe; mkdir -p "$P/out"; start=$SECONDS
+            # window and local blocks? PROBE_ARMS: "attention:seed[:nsa-sizes]" ... (at most 6: each arm's JSON
+            # lines are a file of $OUT, written as they come, so a call cut short keeps them); PROBE_ARGS: the
+            # probe's other arguments; PROBE_TIMEOUT. The arms' stderr and the corpus log: $OUT/probe_logs.tgz
+      P=/tmp/probe; mkdir -p "$P/logs"; start=$SECONDS
       [ -f "$P/corpus/manifest.json" ] || python3 -m msa_train.quality corpus --out "$P/corpus" --max-tokens 3000000 \
-        --vocab 2048 > "$P/out/corpus.log" 2>&1
+        --vocab 2048 > "$P/logs/corpus.log" 2>&1
       left=$(( ${PROBE_TIMEOUT:-560} - (SECONDS - start) ))
       for arm in ${PROBE_ARMS:-full:0 full:1 full:2 fmsa:0 fmsa:1 fmsa:2}; do
         IFS=: read -r att seed sizes <<< "$arm"
-        name=${att}_s${seed}${sizes:+_${sizes//,/-}}
-        timeout "$left" python3 -m msa_train.quality probe --corpus "$P/corpus" --device cuda --threads 2 \
+        name=probe_${att}_s${seed}${sizes:+_${sizes//,/-}}
+        timeout "$left" python3 -u -m msa_train.quality probe --corpus "$P/corpus" --device cuda --threads 2 \
           --attention "$att" --seed "$seed" ${sizes:+--nsa-sizes $sizes} \
           ${PROBE_ARGS:---copy-fraction 0.5 --lengths 256,512 --eval-lengths 256,512 --steps 3000 --eval-every 250} \
-          > "$P/out/$name.jsonl" 2> "$P/out/$name.err" < /dev/null &
+          > "$OUT/$name.jsonl" 2> "$P/logs/$name.err" < /dev/null &
       done
       wait
-      for f in "$P"/out/*.jsonl; do echo "$(basename "$f"): $(tail -1 "$f")"; done | tee "$OUT/probe.log"
-      tail -3 "$P"/out/*.err | grep -v "^$" | tail -20
-      (cd "$P/out" && tar czf "$OUT/probe.tgz" ./*) ;;
+      for f in "$OUT"/probe_*.jsonl; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+      tail -n 3 "$P"/logs/*.err | grep -v "^$" | tail -20
+      (cd "$P/logs" && tar czf "$OUT/probe_logs.tgz" ./*) ;;
     quality)  # the quality study (docs/quality.md) as a background job that outlives this call (the machine
               # keeps its disk while warm): the first call builds the corpus and starts `python -m
               # msa_train.quality all` (QUALITY_BUDGET s, QUALITY_STEPS steps, QUALITY_MIX, QUALITY_ARGS: its

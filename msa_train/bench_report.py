@@ -395,7 +395,8 @@ def host_share_options(point: Point, opts: Sequence[str],
     the GPU keeps the most room. ``fastest``: the arm's fastest share, the smallest on the host (the
     32-layer points' host step, cpu_adam and the copies, took 4.4-4.9 s for 6.4-6.6e9 parameters on
     the H200 machine's 16 cores, about a third of fmsa's step), kept ``FASTEST_SHARE_MARGIN`` above
-    the smallest the planner fits on the GPU, whose peak has measured up to 8.5% under the real one.
+    the smallest the planner fits on the GPU, whose peak has measured up to 3.3% under the real one
+    (8.5% before it counted DeepSpeed's reduce bucket).
     Without a share that fits, ``opts`` (which the verdict then skips)."""
     if "parallel.offload_optimizer=true" not in opts:
         return tuple(opts)

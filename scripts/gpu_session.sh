@@ -56,7 +56,7 @@ for stage in $stages; do
     grpo)   # GRPO (msa_train/grpo.py) on Llama3-8B at full depth with LoRA (r=16), GRPO_LEN-token pass-key prompts,
             # 8 completions each, full vs fmsa: generation tokens/s, step time and reward per step (random
             # weights: the reward stays near 0, the timings are what this measures). GRPO_OPTS: more overrides,
-            # by default tiled MLPs from 16K prompts up (the planner: 84.9 GiB of 80 at 16K without them)
+            # by default tiled MLPs from 16K prompts up (the planner: 85.9 GiB of 80 at 16K without them)
       grpo_opts=${GRPO_OPTS-$([ "${GRPO_LEN:-16384}" -ge 16384 ] && echo parallel.tile_tokens=32768)}
       for attn in ${GRPO_ATTN:-full fmsa}; do
         timeout "${GRPO_TIMEOUT:-270}" python3 -m msa_train.cli recipe=llama3_8b_64k data=retrieval attention=$attn \

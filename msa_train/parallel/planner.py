@@ -28,6 +28,8 @@ What is counted, per GPU (bytes; ``N`` = ZeRO ranks = the world size, ``P`` = pa
 * **Attention workspace**: dense: the softmax statistics (and FlashAttention's fp32 dq accumulator
   on the varlen path); NSA: the O(T·n) selected-block indices and the KV-block-centric kernel's
   partial outputs (one row per query, head and selected block), an upper bound.
+* **DeepSpeed's reduce bucket** (ZeRO >= 1): the device buffer its gradients are reduced through,
+  ``reduce_bucket_size`` elements in the model's dtype.
 * **Loss**: one chunk of fp32 logits and their gradient (``train.loss_chunk_tokens`` x vocab), and
   the fused loss's head-weight gradient held from its forward to its backward.
 
@@ -65,6 +67,11 @@ TILE_TOKENS = 32768  # the ladder's parallel.tile_tokens (as in the recipes)
 # killed by the host's OOM killer (benchmarks/results/e2e/h100.md) on an H100 machine with 124.4
 # GiB available (MemAvailable, read in the same device call).
 HOST_PROCESS_GB = 6.0
+# DeepSpeed's reduce_bucket_size (its default; deepspeed_config.py leaves it): under ZeRO >= 1 with
+# contiguous gradients (which deepspeed_config.py turns on) the gradients are reduced through a
+# device buffer of this many elements in the model's dtype, ZeRO-1/2's for each backward
+# (stage_1_and_2.py setup_buckets), ZeRO-3's for the whole run (stage3.py)
+REDUCE_BUCKET_ELEMENTS = 500_000_000
 # The host shares of the optimizer state that the ladder tries under ZeRO-3 (parallel.offload_ratio)
 PARTIAL_OFFLOAD_RATIOS = tuple(round(1 - i / 20, 2) for i in range(1, 20))  # 0.95 ... 0.05
 
@@ -404,20 +411,23 @@ def predict(shape: ModelShape, opt: Options, work: Workload, gpu_gb: float = H20
     gathered = 0.0
     if opt.zero_stage == 3:  # one layer's parameters gathered whole (bf16) while it runs, and its gradients
         gathered = 2 * 2 * (shape.params / max(1, shape.layers))
+    # (without it the planner was 0.4-1.7 GiB, 2-8.5%, under every ZeRO-2 point of the e2e report)
+    bucket = REDUCE_BUCKET_ELEMENTS * (2 if work.bf16 else 4) if opt.zero_stage >= 1 else 0.0
     # GRPO's reference policy: the starting values of the trainable parameters, on every rank, in the
     # model's dtype (msa_train/grpo.py StartingWeights)
     reference = (shape.params if shape.trainable is None else shape.trainable) * (2 if work.bf16 else 4) \
         if work.reference_weights else 0.0
     parts = {"parameters": state["parameters"], "reference_weights": reference, "gradients": state["gradients"],
              "optimizer_state": state["optimizer_state"], "zero3_gathered_layer": gathered,
+             "reduce_bucket": bucket,
              "activations_kept": act["activations_kept"], "layer_working": act["layer_working"],
              "attention_workspace": act["attention_workspace"], "loss": act["loss"], "loss_held": act["loss_held"],
              "step_fp32_gradients": state["step_fp32_gradients"]}
     resident = parts["parameters"] + reference + parts["gradients"] + parts["optimizer_state"]
     # the loss's chunk of logits and the layers' recompute-and-backward are alive one after the other
     transient = max(act["loss"], act["layer_working"] + act["attention_workspace"])
-    backward_peak = resident + gathered + act["activations_kept"] + act["loss_held"] + transient
-    step_peak = resident + state["step_fp32_gradients"]
+    backward_peak = resident + gathered + bucket + act["activations_kept"] + act["loss_held"] + transient
+    step_peak = resident + state["step_fp32_gradients"] + (bucket if opt.zero_stage == 3 else 0.0)
     peak = max(backward_peak, step_peak) / GiB + OVERHEAD_GB
     host = (state["host_parameters"] + state["host_optimizer"] + act["host_activations"]) / GiB
     parts_gb = {k: v / GiB for k, v in parts.items()}
@@ -555,7 +565,7 @@ def print_plan(cfg) -> Plan:
 PART_LABELS = {
     "parameters": "parameters", "reference_weights": "GRPO reference policy (starting weights)",
     "gradients": "gradients", "optimizer_state": "optimizer state (fp32 master + AdamW; a partial offload's fp32 gradients)",
-    "zero3_gathered_layer": "ZeRO-3: one layer gathered", "activations_kept": "activations kept by every layer",
+    "zero3_gathered_layer": "ZeRO-3: one layer gathered", "reduce_bucket": "ZeRO: gradient reduce bucket", "activations_kept": "activations kept by every layer",
     "layer_working": "one layer recomputed + its backward", "attention_workspace": "attention workspace",
     "loss": "logits / loss chunk (before the layers' backward)",
     "loss_held": "head weight gradient (fused loss)", "step_fp32_gradients": "optimizer step: fp32 gradients",

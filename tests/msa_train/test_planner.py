@@ -155,6 +155,29 @@ def test_sequence_parallel_heads_and_tokens():
     assert eight["layer_working"] == pytest.approx(one["layer_working"] / 8, rel=0.01)
 
 
+def test_zero_reduces_gradients_through_deepspeeds_bucket():
+    """ZeRO 1-3 reduce the gradients through a device buffer of reduce_bucket_size elements in the
+    model's dtype: ZeRO-1/2 during each backward, ZeRO-3 for the whole run. ZeRO-0 has none."""
+    work = Workload(seq_len=65536)
+    bucket = planner.REDUCE_BUCKET_ELEMENTS * 2 / planner.GiB  # bf16: 0.93 GiB
+    assert bucket == pytest.approx(0.931, abs=1e-3)
+    zero0 = planner.predict(LLAMA3_8B, Options(zero_stage=0), work, gpu_gb=1e9)
+    assert zero0.parts["reduce_bucket"] == 0
+    for stage in (1, 2, 3):
+        plan = planner.predict(LLAMA3_8B, Options(zero_stage=stage), work, gpu_gb=1e9)
+        assert plan.parts["reduce_bucket"] == pytest.approx(bucket)
+    fp32 = planner.predict(LLAMA3_8B, Options(zero_stage=2), Workload(seq_len=65536, bf16=False), gpu_gb=1e9)
+    assert fp32.parts["reduce_bucket"] == pytest.approx(2 * bucket)
+    # the backward's peak holds it (hand-summed: the optimizer state and gradients offloaded)
+    one, two = (planner.predict(LLAMA3_8B, Options(zero_stage=z, offload_optimizer=True), work, gpu_gb=1e9)
+                for z in (1, 2))
+    assert two.allocated_gb == pytest.approx(two.parts["parameters"] + two.parts["activations_kept"]
+                                             + two.parts["loss_held"] + bucket
+                                             + max(two.parts["loss"], two.parts["layer_working"]
+                                                   + two.parts["attention_workspace"]))
+    assert one.allocated_gb == pytest.approx(two.allocated_gb)  # offloaded: ZeRO-1 and 2 keep the same on the GPU
+
+
 def test_the_ladder_picks_the_first_option_that_fits():
     work = Workload(seq_len=65536, attention="fmsa")
     base = Options(zero_stage=2)

@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "window and the local blocks short of a 256-token document, so a needle is reached "
                         "only through the compressed and the selected branches")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (the NSA kernels need it: on a CPU NSA runs its "
-                                                   "PyTorch reference, about 25x slower than the dense probe)")
+                                                   "PyTorch reference, 24x slower a step than the dense probe)")
     p.add_argument("--stop-at", type=float, default=2.0,
                    help="stop once the first eval length's exact match is >= this at two evaluations in a row "
                         "(default: never)")

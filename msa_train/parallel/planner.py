@@ -565,7 +565,8 @@ def print_plan(cfg) -> Plan:
 PART_LABELS = {
     "parameters": "parameters", "reference_weights": "GRPO reference policy (starting weights)",
     "gradients": "gradients", "optimizer_state": "optimizer state (fp32 master + AdamW; a partial offload's fp32 gradients)",
-    "zero3_gathered_layer": "ZeRO-3: one layer gathered", "reduce_bucket": "ZeRO: gradient reduce bucket", "activations_kept": "activations kept by every layer",
+    "zero3_gathered_layer": "ZeRO-3: one layer gathered", "reduce_bucket": "ZeRO: gradient reduce bucket",
+    "activations_kept": "activations kept by every layer",
     "layer_working": "one layer recomputed + its backward", "attention_workspace": "attention workspace",
     "loss": "logits / loss chunk (before the layers' backward)",
     "loss_held": "head weight gradient (fused loss)", "step_fp32_gradients": "optimizer step: fp32 gradients",

@@ -228,7 +228,8 @@ def run(args: argparse.Namespace, emit=print) -> List[Dict]:
     probe = _Probe(args)
     start, lines, hits = time.time(), [], 0
     common = {"seed": args.seed, "attention": args.attention,
-              **({"nsa_sizes": args.nsa_sizes} if args.attention != "full" else {}), "lengths": probe.train_lengths, "spread": args.spread,
+              **({"nsa_sizes": args.nsa_sizes} if args.attention != "full" else {}),
+              "lengths": probe.train_lengths, "spread": args.spread,
               "copy_fraction": args.copy_fraction, "copy_kind": args.copy_kind, "loss_targets": args.loss,
               "batch": args.batch, "lr": args.lr, "schedule": args.schedule, "rope_theta": args.rope_theta,
               "pretrain_steps": args.pretrain_steps}

@@ -126,7 +126,7 @@ for stage in $stages; do
             # lines are a file of $OUT, written as they come, so a call cut short keeps them); PROBE_ARGS: the
             # probe's other arguments; PROBE_TIMEOUT. The arms' stderr and the corpus log: $OUT/probe_logs.tgz
       P=/tmp/probe; mkdir -p "$P/logs"; start=$SECONDS
-      [ -f "$P/corpus/manifest.json" ] || python3 -m msa_train.quality corpus --out "$P/corpus" --max-tokens 3000000 \
+      [ -f "$P/corpus/manifest.json" ] || TOKENIZERS_PARALLELISM=true python3 -m msa_train.quality corpus --out "$P/corpus" --max-tokens 3000000 \
         --vocab 2048 > "$P/logs/corpus.log" 2>&1
       left=$(( ${PROBE_TIMEOUT:-560} - (SECONDS - start) ))
       for arm in ${PROBE_ARMS:-full:0 full:1 full:2 fmsa:0 fmsa:1 fmsa:2}; do

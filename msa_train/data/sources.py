@@ -16,7 +16,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import datasets
 import numpy as np
@@ -484,8 +484,10 @@ def group_hint(files: list, cfg: DataConfig) -> str:
     return ""
 
 
-def check_report(report: RecordReport, max_bad_fraction: float, files: Optional[list] = None, hint: str = "") -> None:
-    """Fail above the threshold, warn below it (``hint``: :func:`group_hint`, added when every record is bad).
+def check_report(report: RecordReport, max_bad_fraction: float, files: Optional[list] = None,
+                 hint: Callable[[], str] = str) -> None:
+    """Fail above the threshold, warn below it (``hint``: called only when every record is bad, its
+    text added to the error: :func:`group_hint`, which reads the first file again).
 
     Raises:
         DataValidationError: no valid record, or a bad fraction above ``max_bad_fraction``.
@@ -497,7 +499,7 @@ def check_report(report: RecordReport, max_bad_fraction: float, files: Optional[
             if names else "the files hold"
         raise DataValidationError(f"data: {where} no records (empty, or only blank lines); check data.path")
     if report.num_bad == report.total:
-        raise DataValidationError(f"data: {report.summary()}\nNo record is valid.{hint} "
+        raise DataValidationError(f"data: {report.summary()}\nNo record is valid.{hint()} "
                                   "Choose the data group of the records (docs/data.md), or fix them.")
     if report.bad_fraction > max_bad_fraction:
         raise DataValidationError(
@@ -532,7 +534,7 @@ def load_records(cfg: DataConfig) -> tuple[datasets.Dataset, RecordReport]:
     if bad:
         sources = column(ds.select(bad[:RecordReport.MAX_EXAMPLES]), SOURCE_COL)
         report.examples = [f"{s}: {errors[i]}" for s, i in zip(sources, bad)]
-    check_report(report, cfg.max_bad_fraction, files, group_hint(files, cfg) if len(bad) == len(ds) else "")
+    check_report(report, cfg.max_bad_fraction, files, hint=lambda: group_hint(files, cfg))
     if bad:
         bad_set = set(bad)
         ds = ds.select([i for i in range(len(ds)) if i not in bad_set])

@@ -148,6 +148,11 @@ class Options:
                    fused_ops=on_cuda if p.fused_ops is None else p.fused_ops, sp_degree=p.sp_degree,
                    optimizer=p.optimizer)
 
+    @property
+    def slim_norms(self) -> bool:
+        """Whether the RMSNorms save only their input (fused, or tiled), not HF's fp32 copy and rows."""
+        return self.fused_ops or self.tile_tokens > 0
+
     def overrides(self, base: "Options") -> List[str]:
         """The ``parallel.key=value`` overrides that turn ``base`` into these options."""
         out = []
@@ -297,15 +302,14 @@ def layer_saved_bytes_per_token(shape: ModelShape, opt: Options, a: int = 2) -> 
     24 + 24 + 120 + 28 = 196 KiB (memory.py's hooks: 197), tiled 8 + 8 + 8 + 28 = 52 (53)."""
     H, I = shape.hidden, shape.intermediate
     HQ, HK, D = shape.heads, shape.kv_heads, shape.head_dim
-    slim_norm = opt.fused_ops or opt.tile_tokens > 0
-    norm = a * H if slim_norm else (2 * a + a) * H  # fp32 input (2a) + normalised rows (a)
+    norm = a * H if opt.slim_norms else (2 * a + a) * H  # fp32 input (2a) + normalised rows (a)
     if opt.tile_tokens > 0:
         mlp = a * H
     else:
         mlp = a * H + (3 if opt.fused_ops else 4) * a * I
     attn = a * (3 * HQ * D + 2 * HK * D) + 4 * HQ  # q, o, o_proj input; k, v; fp32 lse
     if shape.qk_norm:
-        attn += (a if slim_norm else 3 * a) * (HQ + HK) * D
+        attn += (a if opt.slim_norms else 3 * a) * (HQ + HK) * D
     return {"norms": 2 * norm, "mlp": mlp, "attention": attn}
 
 
@@ -346,7 +350,6 @@ def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[st
     q_heads, kv_heads = rank_heads(shape.heads, shape.kv_heads, sp)
     sparse = work.attention != "full"
     per = layer_saved_bytes_per_token(shape, opt, a)
-    slim_norm = opt.fused_ops or opt.tile_tokens > 0  # a norm that saves only its input
     # attention's tensors: all T tokens of the rank's heads (head-sharded after the all-to-all)
     head_scale = (q_heads * sp) / shape.heads if sp > 1 else 1.0
     kv_scale = (kv_heads * sp) / shape.kv_heads if sp > 1 else 1.0
@@ -383,7 +386,7 @@ def activation_bytes(shape: ModelShape, opt: Options, work: Workload) -> Dict[st
             # planner further from plan-check's measured peaks: mean error 2.5% against 2.1%, the
             # worst 6.9% under against 4.9% over; why is not known, so it stays counted.)
             out["host_activations"] = kept
-            kept = 0.0 if slim_norm else inputs
+            kept = 0.0 if opt.slim_norms else inputs
         out["activations_kept"] = kept
     else:
         out["activations_kept"] = (L - 1) * layer

@@ -7,7 +7,8 @@ from the corpus's training split), optionally with copy documents (a span, more 
 again; the repeat trained: what an induction head predicts) and optionally after plain
 language-model pretraining on longer windows of real text; every ``--eval-every`` steps it scores
 single-needle probes over held-out text at each of ``--eval-lengths``. Its findings are in
-benchmarks/results/probes/results.md (``retrieval_probe``, ``copy_documents``, ``length_transfer``).
+benchmarks/results/probes/results.md (``retrieval_probe``, ``copy_documents``, ``length_transfer``,
+``nsa_probe``).
 
 This is a plain PyTorch loop, not the trainer: thousands of steps of a model this small fit a CPU
 in minutes only without the trainer's per-step machinery (packing, DeepSpeed, checkpoints), which
@@ -16,7 +17,8 @@ a probe of learnability does not need. Each evaluation prints one JSON line.
 ``--attention fmsa`` patches the same model with NSA (``--nsa-sizes``, by default a window and
 local blocks shorter than the document), so that the probe asks whether sparse attention learns
 to copy and retrieve as dense does, where a needle is reachable only through compression and
-block selection (``scripts/gpu_session.sh probe`` runs dense and NSA side by side on a GPU).
+block selection (``scripts/gpu_session.sh probe`` runs dense and NSA side by side on a GPU); an NSA
+probe's evaluations also say, layer by layer, how often the selected blocks hold the needle.
 
     python -m msa_train.quality corpus --out /tmp/qc --max-tokens 3000000 --vocab 2048
     python -m msa_train.quality probe --corpus /tmp/qc --copy-fraction 0.5 --lengths 256,512 --eval-lengths 256,512,1024
@@ -220,6 +222,57 @@ class _Probe:
         self.model.train()
         return exact / len(probes), right / total
 
+    @torch.no_grad()
+    def needle_selected(self, n: int) -> List[float]:
+        """NSA only: for each layer, the fraction of (answer position, KV head) whose selected blocks
+        include one that holds part of the needle, over the length-n probes: whether block selection
+        finds what the answer needs (with n selected blocks of l' among T/l' the chance is about
+        (n - 3) / (T/l' - 3) beyond the initial and local blocks). The blocks are chosen again by the
+        PyTorch reference from each layer's q and k, which the kernels' selection is tested to equal."""
+        from flash_msa import reference
+
+        layers = [layer.self_attn.nsa for layer in self.model.model.layers]
+        seen: List[torch.Tensor] = []
+
+        def capture(nsa, args, kwargs):  # NativeSparseAttention(hidden, q, k, v, ..., scale=)
+            _, q, k, v = (t.float() for t in args[:4])
+            B, T, HQ, D = q.shape
+            HK, z = k.shape[2], nsa.sizes
+            scale = kwargs.get("scale") or D ** -0.5
+            cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+            q, k, v = q.reshape(B * T, HQ, D), k.reshape(B * T, HK, D), v.reshape(B * T, HK, D)
+            ks, vs = ((reference.compress_kv(x, c.weight.float(), c.pos.float(), cu, z["cmp_block"], z["cmp_stride"],
+                                             proj=c.proj.float()))
+                      for x, c in ((k, nsa.compress_k), (v, nsa.compress_v)))
+            (k_cmp, cu_cmp), (v_cmp, _) = ks, vs
+            _, lse = reference.compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, z["cmp_block"], z["cmp_stride"], scale)
+            idx = reference.select_blocks(q, k_cmp, lse, cu, cu_cmp, z["cmp_block"], z["cmp_stride"], z["slc_block"],
+                                          z["slc_topk"], scale)
+            seen.append(idx.view(B, T, HK, -1))
+
+        hooks = [nsa.register_forward_pre_hook(capture, with_kwargs=True) for nsa in layers]
+        self.model.eval()
+        probes, chunk = self.probes[n], max(1, 4096 // n)
+        hits, count = torch.zeros(len(layers)), 0
+        try:
+            for i in range(0, len(probes), chunk):
+                group = probes[i:i + chunk]
+                seen.clear()
+                self.model(input_ids=torch.stack([q["input_ids"] for q in group]).to(self.device))
+                for b, q in enumerate(group):
+                    rows = (q["labels"][1:] != -100).nonzero().flatten().to(self.device)  # positions predicting answers
+                    lo, hi = q["needle_at"][0], q["needle_at"][0] + q["needle_len"][0]
+                    for j, idx in enumerate(seen):
+                        start = idx[b, rows].long() * layers[j].sizes["slc_block"]  # [answer, HK, n]; -1: none
+                        over = (idx[b, rows] >= 0) & (start < hi) & (start + layers[j].sizes["slc_block"] > lo)
+                        hits[j] += over.any(-1).float().sum().item()
+                    count += rows.numel() * seen[0].shape[2]
+        finally:
+            for h in hooks:
+                h.remove()
+            self.model.train()
+        return [round(h / count, 3) for h in hits.tolist()]
+
 
 def run(args: argparse.Namespace, emit=print) -> List[Dict]:
     """Trains and evaluates as ``args`` say; each evaluation is a dict, passed to ``emit`` as a JSON
@@ -249,6 +302,8 @@ def run(args: argparse.Namespace, emit=print) -> List[Dict]:
         for n in probe.eval_lengths:
             exact, tokens = probe.score(n)
             line[f"exact_{n}"], line[f"tokens_{n}"] = exact, round(tokens, 3)
+            if args.attention != "full":
+                line[f"needle_selected_{n}"] = probe.needle_selected(n)
         line["s"] = round(time.time() - start)
         lines.append(line)
         emit(json.dumps(line))

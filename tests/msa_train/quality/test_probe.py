@@ -112,6 +112,24 @@ def test_the_nsa_probe_patches_the_same_model_and_trains(tiny_corpus):
     (line,) = probe.run(args, emit=lambda _: None)
     assert line["attention"] == "fmsa" and line["nsa_sizes"] == "16,8,16,4,32" and line["train_loss"] > 0
     assert 0.0 <= line["exact_256"] <= 1.0
+    assert len(line["needle_selected_256"]) == 4 and all(0.0 <= r <= 1.0 for r in line["needle_selected_256"])
+
+
+def test_needle_selection_counts_the_blocks_that_hold_the_needle(tiny_corpus):
+    """needle_selected: every layer's selection holds the needle where all of a 256-token probe's
+    16 blocks are selected, and none does where the needle lies in none of the selected blocks."""
+    _, corpus, _ = tiny_corpus
+    every = probe._Probe(_args(corpus, "--lengths", "256", "--attention", "fmsa", "--nsa-sizes", "16,8,16,16,32"))
+    assert every.needle_selected(256) == [1.0] * 4
+    # three blocks: the initial and the two local ones. A needle said to lie three blocks before the
+    # answer is in none of them; one said to lie in the first block is in every selection
+    few = probe._Probe(_args(corpus, "--lengths", "256", "--attention", "fmsa", "--nsa-sizes", "16,8,16,3,32"))
+    for q in few.probes[256]:
+        q["needle_at"], q["needle_len"] = [int((q["labels"] != -100).nonzero()[0]) - 48], [1]
+    assert few.needle_selected(256) == [0.0] * 4
+    for q in few.probes[256]:
+        q["needle_at"], q["needle_len"] = [15], [1]
+    assert few.needle_selected(256) == [1.0] * 4
 
 
 def test_bad_nsa_sizes_name_themselves(tiny_corpus):

@@ -1,4 +1,5 @@
-"""Launch settings of the Triton kernels, and the scoped override that benchmarks and tests use.
+"""Launch settings of the Triton kernels (and one of the PyTorch reference), and the scoped
+override that benchmarks and tests use.
 
 Every op keeps one table of its tuned settings beside its kernels, with the measurements that
 chose them (H200, docs/nsa_kernels.md and docs/selected_attention.md):
@@ -11,6 +12,7 @@ chose them (H200, docs/nsa_kernels.md and docs/selected_attention.md):
 | ``"topk"`` | ``compression/topk.py`` ``_launch`` | ``BT``, ``opts`` and the sort-network flags |
 | ``"dense_cmp"`` | ``compression/dense_cmp.py`` ``SETTINGS`` | ``backend``, ``min_groups``, ``offsets_per_call``, ``chunks`` |
 | ``"fused"`` | ``fused.py`` ``SETTINGS`` | ``local_in_window`` |
+| ``"reference"`` | ``selection/naive.py`` ``SETTINGS`` | ``selected_dense_span`` (measured on a CPU) |
 
 The kernels read their settings at every launch through :func:`settings`, so a benchmark times a
 variant without changing any module state::
@@ -59,6 +61,7 @@ def _import_tables() -> None:
     import flash_msa.compression.topk  # noqa: F401
     import flash_msa.fused  # noqa: F401
     import flash_msa.selection.fmsa  # noqa: F401
+    import flash_msa.selection.naive  # noqa: F401
     import flash_msa.window.window  # noqa: F401
 
 

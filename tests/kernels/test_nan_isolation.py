@@ -55,12 +55,15 @@ def test_compressed_attention_isolates_documents(impl, which, device):
     _doc1_finite(o)
 
 
-@pytest.mark.parametrize("impl", ["reference", "fmsa", "qc"])
-def test_selected_attention_isolates_documents(impl, device):
+@pytest.mark.parametrize("impl, span", [("reference", 0), ("reference", 100), ("fmsa", None), ("qc", None)],
+                         ids=["reference-gather", "reference-span", "fmsa", "qc"])
+def test_selected_attention_isolates_documents(impl, span, device):
     cu, q, k, v = _stream(device, "v", at=5)  # in block 0, which every query selects
     bs = 16
     T = CU[-1]
     idx = torch.full((1, T, HK, 2), -1, dtype=torch.int32, device=device)
     idx[..., 0] = 0  # every query selects its sequence's first block
-    o = flash_msa.selected_attention(q[None], k[None], v[None], idx, block_size=bs, cu_seqlens=cu, impl=impl)[0]
+    # the reference's two ways of a chunk: gathered keys, or a masked span
+    with flash_msa.tuning.override(**({} if span is None else {"reference": {"selected_dense_span": span}})):
+        o = flash_msa.selected_attention(q[None], k[None], v[None], idx, block_size=bs, cu_seqlens=cu, impl=impl)[0]
     _doc1_finite(o)

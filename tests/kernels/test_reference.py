@@ -80,6 +80,30 @@ def test_branches_chunked_equal_naive_with_small_chunks():
                  R.window_attention(q, k, v, cu, 10, 0.3, form="naive"), tol=1e-12)
 
 
+@pytest.mark.parametrize("G", [1, 3, 5], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("case", ["single", "varlen", "tiny_docs"])
+def test_selected_span_and_gathered_chunks_agree(G, case):
+    """The chunked selected attention's two ways of a chunk (gathered keys, or one masked product
+    over the span its keys lie in: selection/naive.py, selected_dense_span) give the naive form's
+    output and gradients, with chunks that straddle documents and entries of -1 and past the
+    query's block."""
+    from flash_msa.selection.naive import selected_attention_chunked
+    bounds = CU_CASES[case]
+    T, HK, D, bs, S = bounds[-1], 2, 8, 8, 3
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    q, k, v = (torch.randn(T, h, D, dtype=torch.float64, requires_grad=True) for h in (G * HK, HK, HK))
+    # distinct blocks, some past the query's own one, and some entries -1
+    idx = torch.rand(T, HK, T // bs + 1).argsort(-1)[..., :S].to(torch.int32)
+    idx[torch.rand(T, HK, S) < 0.2] = -1
+    want = R.selected_attention(q, k, v, idx, bs, cu, 0.3, form="naive")
+    grads = torch.autograd.grad(want, (q, k, v), torch.ones_like(want))
+    for chunk, span in [(None, 0), (None, 10 ** 6), (7, 0), (7, 10 ** 6), (11, 1)]:
+        got = selected_attention_chunked(q, k, v, idx, bs, cu, 0.3, chunk=chunk, dense_span=span)
+        assert_close(f"o chunk={chunk} span={span}", got, want, tol=1e-12)
+        for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), torch.ones_like(got)), grads):
+            assert_close(f"d{name} chunk={chunk} span={span}", a, b, tol=1e-12)
+
+
 def test_first_tokens_see_no_compressed_token():
     T, HQ, HK, D = 40, 4, 2, 8
     cu = torch.tensor([0, T], dtype=torch.int32)

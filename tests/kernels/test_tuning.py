@@ -8,7 +8,7 @@ import torch
 from flash_msa import tuning
 from flash_msa.compression import compress, dense_cmp, topk
 from flash_msa import fused
-from flash_msa.selection import fmsa
+from flash_msa.selection import fmsa, naive
 from flash_msa.window import window
 
 CUDA = torch.device("cuda")  # the tables are chosen by device type: no GPU needed to read them
@@ -40,7 +40,7 @@ def test_range_attention_tables_are_the_tuned_ones():
         BD=64, fwd=(64, 64, {}), dq=(64, 64, {}), dkdv=(64, 64, dict(DESC=False)))
 
 
-def test_compress_topk_dense_cmp_fused_tables_are_the_tuned_ones():
+def test_compress_topk_dense_cmp_fused_reference_tables_are_the_tuned_ones():
     assert compress._tiles(CUDA) == dict(
         fwd=(64, dict(num_warps=8, num_stages=3)), prep=(64, dict(num_warps=4, num_stages=1)),
         dx=(32, dict(num_warps=4, num_stages=2)), dw=(64, dict(num_warps=8, num_stages=2)),
@@ -52,6 +52,7 @@ def test_compress_topk_dense_cmp_fused_tables_are_the_tuned_ones():
     assert dense_cmp.chunk_count(16) == 4
     assert dict(fused.SETTINGS) == dict(local_in_window=True, single_function=True)
     assert fused.local_in_window("fmsa", 64, 16, 512) and not fused.local_in_window("qc", 64, 16, 512)
+    assert dict(naive.SETTINGS) == dict(selected_dense_span=4)  # the PyTorch reference's (a CPU measurement)
 
 
 def test_override_is_scoped_nested_and_per_thread():

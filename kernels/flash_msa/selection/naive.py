@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from flash_msa import tuning
 from flash_msa.utils.varlen import token_seq_bounds
 
 
@@ -90,19 +91,40 @@ def selected_attention_naive(
     return o.permute(2, 0, 1, 3).reshape(T, HQ, D).to(q.dtype)
 
 
+# selected_dense_span: a chunk of queries whose keys (from its first sequence's start to its last
+# query) span at most this many times the keys each query gathers (S * block_size) attends over
+# that span with a mask instead of gathering: on a CPU the gather's indexing backward and its many
+# small products cost more there. Measured on this project's 2-core CPU, one thread, forward and
+# backward of the tiny recipe's layer (T = 512 in three documents, 4 query / 2 KV heads of 32, 4
+# blocks of 32): 177-255 ms gathered against 45 ms masked (the dense-mask form: 40 ms); the tiny
+# recipe's 20-step NSA test went from 23.0 s to 12.4 s (dense: 13.3 s). Backward keeps at most
+# selected_dense_span * S * block_size scores a query row, O(T * topk); the span's bound is read
+# on the host (a sync: this is the reference, not a kernel).
+SETTINGS = {"selected_dense_span": 4}
+tuning.register("reference", SETTINGS)
+
+
 def selected_attention_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor,
     block_size: int, cu_seqlens: torch.Tensor, scale: float, chunk: Optional[int] = None,
+    dense_span: Optional[int] = None,
 ) -> torch.Tensor:
-    """Gather form: each chunk of queries gathers the keys of its selected blocks.
+    """Gather form: each chunk of queries gathers the keys of its selected blocks (or, where its
+    keys span at most ``dense_span`` times those, attends over the span with a mask; by default
+    the ``"reference"`` tuning table's ``selected_dense_span``).
 
-    Memory is O(chunk * HQ * S * block_size) at a time; backward recomputes each chunk, so
-    only O(T * HQ * D) is saved: never O(T^2). Same arguments as :func:`selected_attention_naive`.
+    Memory is O(chunk * HQ * S * block_size) at a time. Backward recomputes a gathered chunk, so
+    only its inputs are saved; a span's scores (at most ``dense_span * S * block_size`` a query
+    row) are kept: O(T * HQ * S * block_size) in all, never O(T^2). Same arguments as
+    :func:`selected_attention_naive`, plus ``chunk`` (query rows per chunk).
     """
     T, HQ, D = q.shape
     HK, S = k.shape[1], block_indices.shape[-1]
     if chunk is None:  # about 16M gathered elements per chunk
         chunk = max(1, min(T, (1 << 24) // max(1, HK * S * block_size * D)))
+    if dense_span is None:
+        dense_span = tuning.settings("reference", SETTINGS)["selected_dense_span"]
+    span = dense_span * S * block_size
     start_all, _ = token_seq_bounds(cu_seqlens, T)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # the backward recomputes each chunk from these indices: a snapshot, so that a caller
@@ -114,8 +136,37 @@ def selected_attention_chunked(
         return selected_rows(q[c0:c1], torch.arange(c0, c1, device=q.device), start_all[c0:c1],
                              block_indices[c0:c1], k, v, block_size, scale)
 
-    outs = [run_chunk(one_chunk, c0, min(T, c0 + chunk), q, k, v) for c0 in range(0, T, chunk)]
-    return torch.cat(outs).to(q.dtype)
+    def rows(c0: int, c1: int):
+        k0 = int(start_all[c0])  # starts never decrease: the chunk's keys lie in [k0, c1)
+        if c1 - k0 <= span:
+            # saved for backward: the span's scores, at most dense_span times the gathered ones
+            # without their keys' D, so nothing to recompute
+            return _span_rows(q[c0:c1], torch.arange(c0, c1, device=q.device), start_all[c0:c1],
+                              block_indices[c0:c1], k[k0:c1], v[k0:c1], k0, block_size, scale)
+        return run_chunk(one_chunk, c0, c1, q, k, v)
+
+    return torch.cat([rows(c0, min(T, c0 + chunk)) for c0 in range(0, T, chunk)]).to(q.dtype)
+
+
+def _span_rows(q: torch.Tensor, t: torch.Tensor, start: torch.Tensor, block_indices: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, k0: int, block_size: int, scale: float) -> torch.Tensor:
+    """:func:`selected_rows` of C query rows against the R keys of stream positions [k0, k0 + R)
+    that hold all their keys, as one masked product over the span (the dense-mask form's rule)."""
+    C, HQ, D = q.shape
+    R, HK = k.shape[:2]
+    G = HQ // HK
+    acc = _acc_dtype(q)
+    kpos = k0 + torch.arange(R, device=q.device)  # [R]
+    rel = kpos[None, :] - start[:, None]  # [C, R] key position in each query's sequence
+    valid = _valid_entries(block_indices, t - start, block_size)  # [C, HK, S]
+    key_block = torch.div(rel, block_size, rounding_mode="floor")
+    picked = ((block_indices.to(torch.int64)[..., None] == key_block[:, None, None, :]) & valid[..., None]).any(2)
+    mask = picked & ((rel >= 0) & (kpos[None, :] <= t[:, None]))[:, None, :]  # [C, HK, R]
+    qf = q.to(acc).view(C, HK, G, D).permute(1, 0, 2, 3).reshape(HK, C * G, D)
+    s = scale * qf @ k.to(acc).permute(1, 2, 0)  # [HK, C*G, R]
+    mask = mask.permute(1, 0, 2)[:, :, None, :].expand(HK, C, G, R).reshape(HK, C * G, R)
+    o = masked_softmax_av(s, mask, v.to(acc).permute(1, 0, 2))  # [HK, C*G, D]
+    return o.view(HK, C, G, D).permute(1, 0, 2, 3).reshape(C, HQ, D)
 
 
 def selected_rows(q: torch.Tensor, t: torch.Tensor, start: torch.Tensor, block_indices: torch.Tensor,

@@ -235,25 +235,19 @@ class _Probe:
         seen: List[torch.Tensor] = []
 
         def capture(nsa, args, kwargs):  # NativeSparseAttention(hidden, q, k, v, ..., scale=)
-            _, q, k, v = (t.float() for t in args[:4])
-            B, T, HQ, D = q.shape
-            HK, z = k.shape[2], nsa.sizes
-            scale = kwargs.get("scale") or D ** -0.5
-            cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-            q, k, v = q.reshape(B * T, HQ, D), k.reshape(B * T, HK, D), v.reshape(B * T, HK, D)
-            ks, vs = ((reference.compress_kv(x, c.weight.float(), c.pos.float(), cu, z["cmp_block"], z["cmp_stride"],
-                                             proj=c.proj.float()))
-                      for x, c in ((k, nsa.compress_k), (v, nsa.compress_v)))
-            (k_cmp, cu_cmp), (v_cmp, _) = ks, vs
-            _, lse = reference.compressed_attention(q, k_cmp, v_cmp, cu, cu_cmp, z["cmp_block"], z["cmp_stride"], scale)
-            idx = reference.select_blocks(q, k_cmp, lse, cu, cu_cmp, z["cmp_block"], z["cmp_stride"], z["slc_block"],
-                                          z["slc_topk"], scale)
-            seen.append(idx.view(B, T, HK, -1))
+            q, k, v = (t.float() for t in args[1:4])
+            weights = (p.float() for p in (nsa.compress_k.weight, nsa.compress_k.pos, nsa.compress_v.weight,
+                                           nsa.compress_v.pos))
+            gates = q.new_ones(*q.shape[:3], 3)  # the output is not used, only the blocks
+            _, idx = reference.nsa_attention(q, k, v, gates, *weights, **nsa.sizes, scale=kwargs.get("scale"),
+                                             return_indices=True, k_cmp_proj=nsa.compress_k.proj.float(),
+                                             v_cmp_proj=nsa.compress_v.proj.float())
+            seen.append(idx)  # [B, T, HK, n]
 
         hooks = [nsa.register_forward_pre_hook(capture, with_kwargs=True) for nsa in layers]
         self.model.eval()
         probes, chunk = self.probes[n], max(1, 4096 // n)
-        hits, count = torch.zeros(len(layers)), 0
+        hits, count = torch.zeros(len(layers), device=self.device), 0  # read once, at the end
         try:
             for i in range(0, len(probes), chunk):
                 group = probes[i:i + chunk]
@@ -265,7 +259,7 @@ class _Probe:
                     for j, idx in enumerate(seen):
                         start = idx[b, rows].long() * layers[j].sizes["slc_block"]  # [answer, HK, n]; -1: none
                         over = (idx[b, rows] >= 0) & (start < hi) & (start + layers[j].sizes["slc_block"] > lo)
-                        hits[j] += over.any(-1).float().sum().item()
+                        hits[j] += over.any(-1).sum()
                     count += rows.numel() * seen[0].shape[2]
         finally:
             for h in hooks:

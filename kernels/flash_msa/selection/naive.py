@@ -159,9 +159,10 @@ def _span_rows(q: torch.Tensor, t: torch.Tensor, start: torch.Tensor, block_indi
     kpos = k0 + torch.arange(R, device=q.device)  # [R]
     rel = kpos[None, :] - start[:, None]  # [C, R] key position in each query's sequence
     valid = _valid_entries(block_indices, t - start, block_size)  # [C, HK, S]
+    # a key before the query's sequence lies in a negative block, which no valid entry names
     key_block = torch.div(rel, block_size, rounding_mode="floor")
     picked = ((block_indices.to(torch.int64)[..., None] == key_block[:, None, None, :]) & valid[..., None]).any(2)
-    mask = picked & ((rel >= 0) & (kpos[None, :] <= t[:, None]))[:, None, :]  # [C, HK, R]
+    mask = picked & (kpos[None, :] <= t[:, None])[:, None, :]  # [C, HK, R]
     qf = q.to(acc).view(C, HK, G, D).permute(1, 0, 2, 3).reshape(HK, C * G, D)
     s = scale * qf @ k.to(acc).permute(1, 2, 0)  # [HK, C*G, R]
     mask = mask.permute(1, 0, 2)[:, :, None, :].expand(HK, C, G, R).reshape(HK, C * G, R)
